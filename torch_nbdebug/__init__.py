@@ -1,0 +1,64 @@
+"""torch_nbdebug: deep PyTorch debugging made visible in the notebook.
+
+In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
+
+- ``with nanwatch() as report:`` — where the first NaN/Inf was born (``%%nanwatch``)
+- ``graph(tensor_or_model, ...)`` — the computation-graph explorer (``%graph``)
+- ``grads(model)`` / ``with record_gradients(model) as trace:`` — the gradient stepper (``%grads``)
+- ``memory_state()`` / ``with memory_timeline() as tl:`` — memory by category (``%cudamem``)
+
+Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "nanwatch": "torch_nbdebug.api.nanwatch",
+    "NanReport": "torch_nbdebug.api.nanwatch",
+    "NanEvent": "torch_nbdebug.api.nanwatch",
+    "graph": "torch_nbdebug.api.graph",
+    "GraphData": "torch_nbdebug.api.graph",
+    "grads": "torch_nbdebug.api.grads",
+    "record_gradients": "torch_nbdebug.api.grads",
+    "GradTrace": "torch_nbdebug.api.grads",
+    "memory_state": "torch_nbdebug.api.memory",
+    "memory_timeline": "torch_nbdebug.api.memory",
+    "MemoryState": "torch_nbdebug.api.memory",
+    "MemoryTimeline": "torch_nbdebug.api.memory",
+    "NbdebugError": "torch_nbdebug.errors",
+    "InputError": "torch_nbdebug.errors",
+    "NanBirthError": "torch_nbdebug.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_nbdebug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext torch_nbdebug``: register %%nanwatch, %graph, %grads and %cudamem."""
+    from torch_nbdebug.magics import load_ipython_extension as load
+
+    load(ip)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """``%unload_ext torch_nbdebug``: remove every magic the package registered."""
+    from torch_nbdebug.magics import unload_ipython_extension as unload
+
+    unload(ip)

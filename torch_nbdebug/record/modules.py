@@ -1,0 +1,142 @@
+"""Qualified module names as the user writes them, and which module is running now.
+
+``model.blocks.3.attn`` is built from the user's variable name (``model``) and ``named_modules``.
+:class:`ModuleTracker` keeps a stack of the modules whose forward is running, through the global
+handle-based hooks (``register_module_forward_pre_hook``/``register_module_forward_hook`` with
+``always_call=True``), so nothing is patched and everything is removed on exit.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+
+def module_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Module`` values of a namespace, largest first, skipping private names like ``_``."""
+    if not namespace:
+        return []
+    roots = [(k, v) for k, v in list(namespace.items()) if isinstance(v, nn.Module) and not k.startswith("_")]
+    roots.sort(key=lambda kv: (-sum(1 for _ in kv[1].modules()), kv[0]))
+    return roots
+
+
+def qualified_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
+    """Map ``id(module)`` to its shortest user-facing path; the largest root claims shared modules."""
+    names: dict[int, str] = {}
+    for root_name, root in roots:
+        for sub_name, module in root.named_modules(remove_duplicate=False):
+            path = f"{root_name}.{sub_name}" if sub_name else root_name
+            if id(module) not in names:
+                names[id(module)] = path
+    return names
+
+
+def parameter_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
+    """Map ``id(parameter)`` to ``model.fc.weight``; shared parameters keep their first name."""
+    names: dict[int, str] = {}
+    for root_name, root in roots:
+        for name, param in root.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), f"{root_name}.{name}")
+    return names
+
+
+class ModuleNamer:
+    """Names modules lazily: from the namespace first, else by class for modules created inline.
+
+    A module that the namespace does not know and that runs at top level becomes a root named after
+    its class in lower case (``resnet``), so its children still get readable paths.
+    """
+
+    def __init__(self, namespace: Optional[Mapping[str, Any]] = None) -> None:
+        self._namespace = namespace
+        self._names = qualified_names(module_roots(namespace))
+
+    def name(self, module: nn.Module, parent: Optional[str] = None) -> str:
+        found = self._names.get(id(module))
+        if found is not None:
+            return found
+        if parent is None:
+            # The namespace may have gained the model since we were created (``model = Net()`` in the cell).
+            self._names.update({k: v for k, v in qualified_names(module_roots(self._namespace)).items()
+                                if k not in self._names})
+            found = self._names.get(id(module))
+            if found is not None:
+                return found
+            root = type(module).__name__.lower()
+            self._names.update({k: v for k, v in qualified_names([(root, module)]).items() if k not in self._names})
+            return self._names[id(module)]
+        # A child the parent's named_modules did not list (created during forward): name it by class.
+        path = f"{parent}.{type(module).__name__.lower()}"
+        self._names[id(module)] = path
+        return path
+
+    def clear(self) -> None:
+        self._names.clear()
+        self._namespace = None
+
+
+class ModuleTracker:
+    """Context manager that knows the qualified path of the module whose forward is running.
+
+    ``on_enter(path, module)`` and ``on_exit(path, module, output)`` callbacks let recorders act at
+    module boundaries (the cheap module-level NaN check, module nesting of graph nodes).
+    """
+
+    def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *,
+                 on_enter: Optional[Callable[[str, nn.Module], None]] = None,
+                 on_exit: Optional[Callable[[str, nn.Module, Any], None]] = None) -> None:
+        self.namer = ModuleNamer(namespace)
+        self.stack: list[str] = []
+        self._on_enter = on_enter
+        self._on_exit = on_exit
+        self._handles: list[Any] = []
+
+    @property
+    def current(self) -> Optional[str]:
+        """The innermost running module's path, or None outside any module."""
+        return self.stack[-1] if self.stack else None
+
+    def __enter__(self) -> "ModuleTracker":
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.stack.clear()
+        self.namer.clear()
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        path = self.namer.name(module, self.current)
+        self.stack.append(path)
+        if self._on_enter is not None:
+            self._on_enter(path, module)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        path = self.stack.pop() if self.stack else self.namer.name(module)
+        if self._on_exit is not None:
+            self._on_exit(path, module, output)
+
+
+def global_hook_counts() -> dict[str, int]:
+    """How many global module/optimizer hooks are installed (tests use it to prove cleanup)."""
+    from torch.nn.modules import module as m
+    from torch.optim import optimizer as o
+
+    counts = {name: len(getattr(m, name)) for name in dir(m)
+              if name.startswith("_global_") and name.endswith("hooks") and isinstance(getattr(m, name), dict)}
+    counts.update({name: len(getattr(o, name)) for name in dir(o)
+                   if name.startswith("_global_optimizer") and isinstance(getattr(o, name), dict)})
+    counts["torch_dispatch_modes"] = torch._C._len_torch_dispatch_stack()
+    counts["torch_function_modes"] = torch._C._len_torch_function_stack()
+    return counts
