@@ -22,6 +22,8 @@ _EXPORTS = {
     "NanEvent": "torch_nbdebug.api.nanwatch",
     "graph": "torch_nbdebug.api.graph",
     "GraphData": "torch_nbdebug.api.graph",
+    "GraphExplorer": "torch_nbdebug.api.graph",
+    "record_graph": "torch_nbdebug.api.graph",
     "grads": "torch_nbdebug.api.grads",
     "record_gradients": "torch_nbdebug.api.grads",
     "GradTrace": "torch_nbdebug.api.grads",

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU check: the CUDA side of the benchmarks, in under 3 minutes, for a machine with a CUDA device.
+#
+#   bash bench/gpu_check.sh            # uses $PYTHON, else .venv/bin/python, else python3
+#
+# Runs bench/gpu_nanwatch.py (nanwatch overhead and correctness on CUDA) and bench/gpu_memory.py
+# (%%cudamem on CUDA), each under its own time limit, and prints what each printed. The repository
+# root is put on PYTHONPATH so the package needs no install on a machine that already has torch.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    PY=.venv/bin/python
+else
+    PY=python3
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+"$PY" - <<'PY' || { echo "gpu_check: $PY has no torch with a CUDA device; nothing to check (set PYTHON=...)" >&2; exit 2; }
+import sys, torch
+if not torch.cuda.is_available():
+    sys.exit(1)
+print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}, python {sys.version.split()[0]}")
+PY
+
+status=0
+# Time limits add up to 170 s, so the whole check ends within 3 minutes.
+for entry in "gpu_nanwatch.py 90" "gpu_memory.py 80"; do
+    set -- $entry
+    script="bench/$1" limit="$2"
+    echo "===== $script (limit ${limit}s) ====="
+    if ! [ -f "$script" ]; then
+        echo "gpu_check: $script is missing"
+        status=1
+        continue
+    fi
+    start=$SECONDS
+    timeout --kill-after=5 "$limit" "$PY" "$script"
+    rc=$?
+    case "$rc" in
+        0) echo "----- $script: ok in $((SECONDS - start))s" ;;
+        124|137) echo "----- $script: TIMED OUT after ${limit}s"; status=1 ;;
+        *) echo "----- $script: FAILED with exit code $rc"; status=1 ;;
+    esac
+done
+exit "$status"

@@ -1,0 +1,133 @@
+"""nanwatch on CUDA: correctness of the deferred (device-side) checks, host syncs, and overhead.
+
+    python bench/gpu_nanwatch.py            # < 90 s on one GPU; exits 2 with a message without CUDA
+
+1. Births found on the GPU: a forward log of negatives in a module, sqrt's infinite gradient at 0
+   in backward, float16 overflow, and a causal mask's -inf that must stay quiet.
+2. Host synchronisations during one watched step (torch.cuda.set_sync_debug_mode counts them):
+   the deferred path reads flags once per top-level forward and once per optimizer step.
+3. Step time of a GPT-2-small-like model (12 blocks, d=768), timed with torch.cuda.synchronize,
+   interleaved: plain, detect_anomaly, detect_anomaly(check_nan=True), nanwatch, nanwatch module mode.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_nanwatch import GPT, watchers  # noqa: E402
+from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
+
+
+class LogBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.fc(x))
+
+
+def check_births(dev: str) -> list[str]:
+    """Each case returns a failure message or nothing; all run on the GPU with the deferred path."""
+    failures = []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), LogBlock(), nn.Linear(16, 1)).to(dev)
+    with nanwatch(namespace={"model": model}) as r:
+        model(torch.randn(32, 16, device=dev)).sum().backward()
+    if not (r.first and r.first.op == "aten.log.default" and r.first.module == "model.1" and r.first.deferred):
+        failures.append(f"forward log birth: got {r.first.title() if r.first else None}")
+    x = torch.zeros(4, device=dev, requires_grad=True)
+    with nanwatch() as r:
+        torch.sqrt(x).sum().backward()
+    if not (r.first and r.first.phase == "backward" and r.first.op == "SqrtBackward0"):
+        failures.append(f"backward sqrt birth: got {r.first.title() if r.first else None}")
+    h = torch.full((64,), 300.0, device=dev, dtype=torch.float16)
+    with nanwatch() as r:
+        h * h
+    if not (r.first and r.first.kind == "inf" and r.first.output.dtype == "float16"):
+        failures.append(f"float16 overflow: got {r.first.title() if r.first else None}")
+    gpt = GPT(vocab=512, d=64, layers=2, heads=4).to(dev)
+    with nanwatch(namespace={"gpt": gpt}) as r:
+        F.cross_entropy(gpt(torch.randint(0, 512, (2, 32), device=dev)).flatten(0, 1),
+                        torch.randint(0, 512, (64,), device=dev)).backward()
+    if r.events:
+        failures.append(f"causal mask reported: {r.first.title()}")
+    return failures
+
+
+def count_syncs(dev: str) -> int:
+    """Host synchronisations in one watched training step of a small GPT (warnings from sync debug mode)."""
+    gpt = GPT(vocab=512, d=64, layers=4, heads=4).to(dev)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
+    idx = torch.randint(0, 512, (2, 32), device=dev)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with nanwatch(namespace={"gpt": gpt}):
+                F.cross_entropy(gpt(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def time_steps(dev: str, repeats: int, batch: int, seq: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = GPT().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    idx = torch.randint(0, 8192, (batch, seq), device=dev)
+    modes = watchers({"model": model, "opt": opt})
+    times: dict[str, list[float]] = {m: [] for m in modes}
+
+    def step(mode: str) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with modes[mode]():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for mode in modes:
+        step(mode)
+    for r in range(repeats):
+        for mode in (list(modes) if r % 2 == 0 else list(reversed(modes))):
+            times[mode].append(step(mode))
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_nanwatch: no CUDA device here (torch.cuda.is_available() is False); "
+              "run it on a machine with a GPU. The CPU benchmark is bench/bench_nanwatch.py.")
+        return 2
+    dev = "cuda"
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+    print(f"gpu_nanwatch: torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
+    t0 = time.perf_counter()
+    failures = check_births(dev)
+    print("births on CUDA:", "all found" if not failures else "FAILED: " + "; ".join(failures))
+    print(f"host syncs in one watched step (4-block GPT, fwd+bwd+AdamW): {count_syncs(dev)}")
+    medians = time_steps(dev, repeats=5, batch=8, seq=256)
+    base = medians["plain"]
+    print("GPT-2-small-like step on CUDA (batch 8, seq 255), median of 5 interleaved:")
+    for mode, t in medians.items():
+        print(f"  {mode:16s} {t * 1e3:8.1f} ms   {t / base:5.2f}x")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+# %% [markdown]
+# # 00 · torch_nbdebug in five minutes
+#
+# torch_nbdebug makes the inside of a PyTorch program visible in the notebook, where you already
+# are. One line loads it:
+#
+# | magic | Python twin | shows |
+# |---|---|---|
+# | `%%nanwatch` | `with torch_nbdebug.nanwatch() as report:` | where the first NaN/Inf was **born**: op, module, your line, a fix |
+# | `%graph` | `torch_nbdebug.graph(loss)` | the computation graph, by module, collapsible and searchable |
+# | `%grads`, `%%grads` | `torch_nbdebug.record_gradients(model)` | the gradient stepper: per-layer gradients, flags, flow plot |
+# | `%cudamem`, `%%cudamem` | `torch_nbdebug.memory_timeline()` | memory by category over time, the peak, and leaked tensors |
+#
+# Every view is a live widget when a kernel runs it, and a static picture in the saved notebook.
+# This tour runs on a CPU in under a minute. We debug one small model from start to finish.
+
+# %%
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+%load_ext torch_nbdebug
+
+# %% [markdown]
+# ## A model that goes NaN
+#
+# A classifier that normalises each input vector to unit length before an MLP. The batch is
+# **padded**: its last three rows are zeros, as padding often is.
+
+# %%
+class Normalize(nn.Module):
+    def forward(self, x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = Normalize()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.norm(x)))
+
+
+torch.manual_seed(0)
+x = torch.randn(32, 16)
+x[-3:] = 0.0  # padding rows
+y = torch.randint(0, 4, (32,))
+model = Classifier()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+for step in range(3):
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print(f"step {step}: loss {loss.item():.4f}")
+
+# %% [markdown]
+# `nan` from the first step. The NaN surfaces in the loss, but where does it come from?
+#
+# ## `%%nanwatch`: where the first NaN was born
+#
+# `%%nanwatch` runs the cell and watches every operation — forward, backward and the optimizer —
+# for the first one that turns finite inputs into NaN or Inf:
+
+# %%
+%%nanwatch
+model = Classifier()
+loss = F.cross_entropy(model(x), y)
+loss.backward()
+
+# %% [markdown]
+# Not "the loss is NaN" but **where it was born**: `aten.div` in `model.norm`, on the line
+# `x / x.norm(...)` — 0/0 on the padding rows — with the statistics of the division's inputs (the
+# norm's `min=0`) and the fix. The report stays in `_nanwatch` for code:
+
+# %%
+birth = _nanwatch.first
+print(birth.phase, birth.op, birth.module, "| line:", birth.line)
+assert (birth.phase, birth.op, birth.module) == ("forward", "aten.div.Tensor", "model.norm")
+
+# %% [markdown]
+# ## `%graph`: see it in the graph
+#
+# `%graph model --input x` runs the model once and shows its autograd graph nested by module; the
+# node where the last `%%nanwatch` found the birth is marked in red. In a live notebook click a
+# module to expand or collapse it, click a node for its shapes, dtypes and saved tensors, search,
+# pan, zoom, and export SVG/PNG/DOT. (`%graph loss` works on any tensor expression too.)
+
+# %%
+%graph model --input x
+
+# %%
+explorer = %graph -o model --input x
+marked = [(node.label, node.module) for node in explorer.data.nodes if node.nan]
+print("marked:", marked)
+assert marked and marked[0][1] == "model.norm"
+
+# %% [markdown]
+# ## Fix it, then watch the gradients with the stepper
+#
+# Guard the denominator (`F.normalize` clamps the norm to `eps`), and train for a few steps under
+# `%%grads model`. The gradient stepper records every optimizer step: per layer the gradient norm,
+# mean, max, zeros/NaN/Inf counts, a histogram, and the update ratio `‖Δw‖/‖w‖`; flags for
+# vanishing, exploding, dead and non-finite gradients; a gradient-flow plot and a layers × steps
+# heatmap. Live: prev/next buttons, the slider or the arrow keys move through layers and steps.
+
+# %%
+class Normalize(nn.Module):
+    def forward(self, x):
+        return F.normalize(x, dim=-1, eps=1e-6)
+
+
+torch.manual_seed(0)
+model = Classifier()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+# %%
+%%grads model
+for step in range(8):
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+# %%
+trace = %grads -o model
+print("loss now:", round(loss.item(), 4), "| layers:", trace.layers)
+assert torch.isfinite(loss) and not [f for f in trace.flags if f.kind == "nonfinite"]
+
+# %% [markdown]
+# ## `%%cudamem`: find the leak
+#
+# Last, an evaluation loop that slowly eats memory. `%%cudamem` runs the cell and draws its memory
+# timeline stacked by category (parameters, gradients, optimizer state, activations saved for
+# backward, temporaries), marks the peak, and lists the tensors the cell **leaked** — still alive
+# after it — with what holds them. On a machine without CUDA it records CPU tensors and says so.
+# Live: drag to zoom into a time range, hover an allocation for its details.
+
+# %%
+%%cudamem
+val_losses = []
+for _ in range(4):
+    batch = torch.randn(256, 16)
+    val_losses.append(F.cross_entropy(model(batch), torch.randint(0, 4, (256,))))
+
+# %% [markdown]
+# `val_losses` holds the loss **tensors**, each with the autograd graph of its forward pass — and
+# the activations that graph saved for a backward that never comes. The fix: `.item()`, and
+# `torch.no_grad()` for evaluation. The Python twin checks it in code:
+
+# %%
+import torch_nbdebug
+
+with torch_nbdebug.memory_timeline() as leaky:
+    val_losses = [F.cross_entropy(model(torch.randn(256, 16)), torch.randint(0, 4, (256,))) for _ in range(4)]
+with torch.no_grad(), torch_nbdebug.memory_timeline() as fixed:
+    val_losses = [F.cross_entropy(model(torch.randn(256, 16)), torch.randint(0, 4, (256,))).item()
+                  for _ in range(4)]
+print("before:", [(leak.holder, leak.count, leak.has_graph) for leak in leaky.leaks])
+print("after: ", fixed.leaks)
+assert [leak.holder for leak in leaky.leaks] == ["val_losses"] and leaky.leaks[0].has_graph
+assert not fixed.leaks
+
+# %% [markdown]
+# ## Where next
+#
+# The teaching notebooks go deeper, one debugging skill each:
+#
+# * **01 · Reading errors** — stack traces, the CUDA device-side assert, `%debug` post-mortem.
+# * **02 · Hunting NaNs** — `detect_anomaly` versus `%%nanwatch` on three classic bugs.
+# * **03 · Seeing the graph** — autograd nodes by hand, torchviz, `%graph`, custom Functions.
+# * **04 · Watching gradients** — hooks, vanishing/exploding, dead ReLUs, the update ratio.
+# * **05 · Memory** — allocated vs reserved, leaks, re-created models, `empty_cache`.
+# * **06 · Reproducibility and numerics** — seeds, determinism, epsilons, mixed precision.
+# * **07 · Code that debugs itself** — assertions, `assert_close`, `gradcheck`, structured logs.
+#
+# Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`.

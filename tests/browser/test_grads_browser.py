@@ -1,0 +1,59 @@
+"""The gradient stepper in a real JupyterLab: next/keyboard move layer by layer, the histogram follows."""
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.browser
+
+CELL = """
+import torch
+from torch import nn
+from torch_nbdebug import record_gradients
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+x, y = torch.randn(32, 4), torch.randn(32, 2)
+with record_gradients(net, layer=0) as rec:
+    for _ in range(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+view = rec.widget()
+view
+"""
+
+
+def test_next_moves_to_the_next_layer_and_redraws_the_histogram(lab) -> None:
+    page = lab.run_notebook([CELL], name="grads_stepper")
+    out = lab.output(page, 0)
+    root = out.locator(".tnd-grads")
+    label = root.locator(".tnd-layer-name")
+    expect(label).to_have_text("1/3 net.0")
+    hist = root.locator("svg.tnd-hist").first
+    expect(hist).to_have_attribute("data-param", "net.0.weight")
+    before = hist.inner_html()
+    expect(root.locator("svg.tnd-flow g.tnd-flow-layer")).to_have_count(3)
+    expect(root.locator("canvas.tnd-heatmap")).to_be_visible()
+
+    root.locator("button.tnd-next").click()
+    expect(label).to_have_text("2/3 net.2")
+    expect(hist).to_have_attribute("data-param", "net.2.weight")
+    assert hist.inner_html() != before  # a different layer's gradient values, redrawn
+    expect(lab.run_cell(page, "print('layer in python:', view.layer)")).to_contain_text("layer in python: 1")
+
+    # Keyboard: → moves to the next layer, ↓ to the previous step; clicking the flow plot jumps.
+    root.focus()
+    page.keyboard.press("ArrowRight")
+    expect(label).to_have_text("3/3 net.4")
+    step = root.locator(".tnd-step-name")
+    expect(step).to_have_text("step 3 (4/4)")
+    page.keyboard.press("ArrowDown")
+    expect(step).to_have_text("step 2 (3/4)")
+    root.locator("svg.tnd-flow g.tnd-flow-layer").first.click()
+    expect(label).to_have_text("1/3 net.0")
+
+    root.locator("input.tnd-log").check()
+    expect(lab.run_cell(page, "print('log in python:', view.log_scale)")).to_contain_text("log in python: True")
+    lab.screenshot(page, "grads_stepper")

@@ -1,0 +1,109 @@
+"""Static views and aggregates of a GradTrace built by hand (no model): heatmap, flow plot, flags."""
+from __future__ import annotations
+
+import base64
+import re
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from torch_nbdebug.api.grads import GradReport
+from torch_nbdebug.data.grads import FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
+from torch_nbdebug.process.grads import layer_arrays, layer_for_module, step_flags
+from torch_nbdebug.render import grads as render
+
+
+def _trace(steps: int, layers: int, bins: int = 8, seed: int = 0) -> GradTrace:
+    """Each layer a weight [4, 4] and a bias [4]; norms grow down the layers; finite statistics."""
+    rng = np.random.default_rng(seed)
+    params, infos = [], []
+    for li in range(layers):
+        infos.append(LayerInfo(f"m.l{li}", "Linear", (2 * li, 2 * li + 1)))
+        params += [ParamInfo(f"m.l{li}.weight", li, (4, 4), "float32", 16, True),
+                   ParamInfo(f"m.l{li}.bias", li, (4,), "float32", 4, True)]
+    stats = np.zeros((steps, len(params), len(FIELDS)))
+    stats[:, :, FIELD["has_grad"]] = 1
+    scale = np.repeat(10.0 ** (np.arange(layers) / 10 - 2), 2)
+    stats[:, :, FIELD["norm"]] = scale * (1 + 0.1 * rng.random((steps, len(params))))
+    stats[:, :, FIELD["mean_abs"]] = stats[:, :, FIELD["norm"]] / 4
+    stats[:, :, FIELD["max_abs"]] = stats[:, :, FIELD["norm"]] / 2
+    stats[:, :, FIELD["param_norm"]] = 1.0
+    stats[:, :, FIELD["update_ratio"]] = 1e-3
+    stats[:, :, FIELD["dead_units"]] = np.nan
+    hist = rng.integers(0, 5, (steps, len(params), bins)).astype(float)
+    hist_range = np.tile(np.array([-1.0, 1.0]), (steps, len(params), 1))
+    return GradTrace("m", tuple(params), tuple(infos), tuple(range(steps)), stats,
+                     np.ones((steps, len(params)), bool), tuple(range(steps)), hist, hist_range, step_kind="optimizer")
+
+
+def _png_size(html: str) -> tuple[int, int]:
+    data = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html).group(1))
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_layer_aggregates_combine_parameters() -> None:
+    trace = _trace(steps=2, layers=3)
+    arrays = layer_arrays(trace)
+    w, b = trace.stats[1, 2, FIELD["norm"]], trace.stats[1, 3, FIELD["norm"]]
+    assert arrays["norm"][1, 1] == pytest.approx(np.hypot(w, b))
+    assert arrays["rms"][1, 1] == pytest.approx(np.hypot(w, b) / np.sqrt(20))
+    mean_abs = (trace.stats[1, 2, FIELD["mean_abs"]] * 16 + trace.stats[1, 3, FIELD["mean_abs"]] * 4) / 20
+    assert arrays["mean_abs"][1, 1] == pytest.approx(mean_abs)
+    assert arrays["update_ratio"][1, 1] == pytest.approx(1e-3)  # every parameter moved by 1e-3 of its norm
+
+
+def test_growth_over_steps_is_flagged_as_exploding() -> None:
+    trace = _trace(steps=6, layers=3)
+    trace.stats[5, 4:6, FIELD["norm"]] *= 200  # layer 2 jumps 200-fold at the last step (growth ≥ 100×)
+    flags = step_flags(trace, 5)
+    assert [(f.kind, f.layer) for f in flags] == [("exploding", 2)]
+    assert "its median over earlier steps" in flags[0].reason
+    assert step_flags(trace, 4) == ()
+
+
+def test_heatmap_png_has_one_pixel_per_cell_and_is_downsampled_for_long_runs() -> None:
+    html = render.html(_trace(steps=30, layers=5), ())
+    assert _png_size(html) == (30, 5)
+    start = time.perf_counter()
+    long = _trace(steps=1000, layers=40, bins=4)
+    report = GradReport(long)
+    page, view, text = report.html(), report.widget(), report.text()
+    assert time.perf_counter() - start < 30  # seconds, on a busy shared machine: minutes would be a bug
+    assert _png_size(page) == (400, 40)
+    assert len(view.flow) == 1000 * 40 * 4 * 4 and "1000 of 1000 optimizer steps" in text
+
+
+def test_flow_plot_colours_flagged_layers_and_escapes_names() -> None:
+    trace = _trace(steps=1, layers=3)
+    trace.stats[0, 2:4, FIELD["norm"]] = 1e4  # layer 1: exploding
+    trace = GradTrace(**{**trace.__dict__, "layers": (trace.layers[0], LayerInfo("m.<l1>", "Linear", (2, 3)),
+                                                      trace.layers[2])})
+    report = GradReport(trace)
+    assert report.start_layer == 1
+    svg = render.flow_svg(trace, 0, report.flags)
+    colour = render.FLAG_COLOURS["exploding"]
+    assert svg.count(f'fill="{colour}" fill-opacity') == 2  # its max and mean bars
+    assert f'fill="{colour}">!</text>' in svg  # and the marker under it
+    assert "m.&lt;l1&gt; (Linear)" in svg and "<l1>" not in svg
+
+
+def test_png_rows_decode_to_the_colour_scale() -> None:
+    grid = np.array([[1.0, 10.0, 100.0], [np.nan, 0.0, 1.0]])
+    data = base64.b64decode(render.heatmap_png(grid))
+    raw = zlib.decompress(data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8])
+    rows = [raw[i * 10 + 1:(i + 1) * 10] for i in range(2)]
+    assert rows[0][:3] == bytes([68, 1, 84]) and rows[0][6:9] == bytes([253, 231, 37])  # low → high
+    assert rows[1][:3] == b"\xff\xff\xff" and rows[1][3:6] == b"\xff\xff\xff"  # no gradient / zero: blank
+
+
+def test_layer_for_module_maps_nanwatch_paths() -> None:
+    trace = _trace(steps=1, layers=3)
+    assert layer_for_module(trace, "m.l2") == 2
+    assert layer_for_module(trace, "m.l1.act") == 1
+    assert layer_for_module(trace, "m") == 0
+    assert layer_for_module(trace, "other.l1") is None and layer_for_module(trace, None) is None

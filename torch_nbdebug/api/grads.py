@@ -1,0 +1,241 @@
+"""Python twin of ``%grads``: ``grads(model)`` after a backward, ``with record_gradients(model) as trace:``.
+
+Both give a displayable result (text, static HTML with the flow plot and heatmap, the stepper widget)
+over a plain :class:`GradTrace`. The stepper opens at ``layer=`` if given, else at the layer where the
+last ``nanwatch`` report found a NaN born inside this model, else at the first flagged layer.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+from typing import Any, Mapping, Optional, Union
+
+from torch import nn
+
+from torch_nbdebug.data.grads import Flag, GradTrace, LayerGrads, LayerInfo
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.process.grads import Thresholds, layer_for_module, step_flags, trace_flags
+from torch_nbdebug.record.grads import GradRecorder, exact_rows, layers_of
+from torch_nbdebug.record.modules import module_roots, qualified_names
+from torch_nbdebug.record.source import user_frame
+from torch_nbdebug.render.bundle import Displayable
+
+__all__ = ["grads", "record_gradients", "GradTrace", "GradReport", "GradRecording", "Thresholds"]
+
+
+class GradReport(Displayable):
+    """A :class:`GradTrace` with its flags, shown as the gradient stepper."""
+
+    def __init__(self, trace: GradTrace, layer: Union[int, str, None] = None,
+                 limits: Thresholds = Thresholds()) -> None:
+        self._layer_request = layer
+        self._limits = limits
+        self._set(trace)
+
+    def _set(self, trace: GradTrace) -> None:
+        self.trace = trace
+        self.flags: tuple[Flag, ...] = trace_flags(trace, self._limits)
+        self.start_layer = _start_layer(trace, self._layer_request, self.flags)
+
+    # -- data access -----------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[LayerInfo, ...]:
+        return self.trace.layers
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return self.trace.layer_names
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return self.trace.steps
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else of the :class:`GradTrace` (``params``, ``stats``, ``to_json``...)."""
+        if name.startswith("_") or name == "trace":
+            raise AttributeError(name)
+        trace = self.__dict__.get("trace")
+        if trace is None:
+            raise InputError("the recording is still running: use the result after the `with` block ends")
+        return getattr(trace, name)
+
+    def layer(self, layer: Union[int, str], step: int = -1) -> LayerGrads:
+        """Statistics of one layer (index, ``model.fc1`` or ``fc1``) at one step (default: the last)."""
+        try:
+            return self.trace.layer(layer, step)
+        except (KeyError, IndexError) as exc:
+            raise InputError(str(exc.args[0])) from None
+
+    def flags_at(self, step: int = -1) -> tuple[Flag, ...]:
+        return step_flags(self.trace, step, self._limits)
+
+    # -- display ---------------------------------------------------------------------------
+    def text(self) -> str:
+        from torch_nbdebug.render import grads as render
+
+        return render.text(self.trace, self.flags)
+
+    def html(self) -> str:
+        from torch_nbdebug.render import grads as render
+
+        return render.html(self.trace, self.flags, self.start_layer)
+
+    def widget(self) -> Any:
+        from torch_nbdebug.render import grads as render
+
+        return render.widget(self.trace, self.flags, self.start_layer)
+
+
+class GradRecording(GradReport):
+    """``with record_gradients(model) as trace:`` — filled when the block exits."""
+
+    def __init__(self, recorder: GradRecorder, layer: Union[int, str, None], limits: Thresholds) -> None:
+        self._recorder: Optional[GradRecorder] = recorder
+        self._layer_request = layer
+        self._limits = limits
+        self.trace = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "GradRecording":
+        if self._recorder is None:
+            raise InputError("this record_gradients(...) block was already used: call record_gradients again")
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        recorder, self._recorder = self._recorder, None
+        assert recorder is not None
+        recorder.remove()  # first, so the hooks are gone even if summarising fails
+        try:
+            self._set(recorder.finish())
+        except Exception:
+            if exc[0] is None:
+                raise  # otherwise the user's own exception propagates, not ours
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("text", "html", "widget", "layer", "layers", "layer_names", "steps", "flags_at", "flags") and \
+                object.__getattribute__(self, "trace") is None:
+            raise InputError("the recording is still running: use the result after the `with` block ends")
+        return object.__getattribute__(self, name)
+
+
+def grads(model: nn.Module, *, name: Optional[str] = None, namespace: Optional[Mapping[str, Any]] = None,
+          layer: Union[int, str, None] = None, bins: int = 64, limits: Thresholds = Thresholds()) -> GradReport:
+    """Snapshot of the model's current ``.grad``: call it after ``loss.backward()``.
+
+    Every statistic covers every element (this runs once, so exactness beats speed).
+    """
+    name = _check_model(model, name, namespace, "grads")
+    _check_bins(bins)
+    _, params, layers, infos, order = layers_of(model, name)
+    if not any(p.grad is not None for p in params):
+        raise InputError(f"{name} has no gradients yet: run loss.backward() first")
+    stats, hist, rng = exact_rows(params, bins)
+    import numpy as np
+
+    trace = GradTrace(name, infos, layers, (0,), stats[None], np.ones((1, len(params)), bool), (0,), hist[None],
+                      rng[None], step_kind="snapshot", order=order, sample=None)
+    return GradReport(trace, layer, limits)
+
+
+def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace: Optional[Mapping[str, Any]] = None,
+                     sample: int = 4096, bins: int = 64, activations: bool = False, exact_last: bool = True,
+                     layer: Union[int, str, None] = None, limits: Thresholds = Thresholds()) -> GradRecording:
+    """Record per-layer gradient statistics at every step of the loop run inside the ``with`` block.
+
+    A step is each ``optimizer.step()`` of an optimizer holding the model's parameters, else each
+    backward pass. ``sample`` bounds the elements per parameter used for histograms and counts;
+    ``activations=True`` also records output/input statistics of every layer from forward hooks.
+    """
+    name = _check_model(model, name, namespace, "record_gradients")
+    if not isinstance(sample, int) or sample < 1:
+        raise InputError(f"sample must be a positive number of elements per parameter, got {sample!r}")
+    _check_bins(bins)
+    recorder = GradRecorder(model, name, sample=sample, bins=bins, activations=activations, exact_last=exact_last)
+    return GradRecording(recorder, layer, limits)
+
+
+def _check_model(model: Any, name: Optional[str], namespace: Optional[Mapping[str, Any]], what: str) -> str:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"{what} needs an nn.Module (your model); got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise InputError(f"{what}: this {type(model).__name__} has no parameters, so no gradients to show")
+    return name or _name_of(model, namespace)
+
+
+def _check_bins(bins: Any) -> None:
+    if not isinstance(bins, int) or not 1 <= bins <= 1024:
+        raise InputError(f"bins must be between 1 and 1024, got {bins!r}")
+
+
+def _name_of(model: nn.Module, namespace: Optional[Mapping[str, Any]]) -> str:
+    """The user's name for the model: from ``namespace`` (the magic passes the shell's), else from
+    the caller's line (``grads(net)`` → ``net``) or module globals, else ``model``.
+
+    A function's ``frame.f_locals`` is never read: on Python < 3.13 that snapshot stays attached to
+    the frame and would keep the user's tensors alive until the function returns.
+    """
+    if namespace is None:
+        frame = user_frame(sys._getframe(1))
+        if frame is None:
+            return "model"
+        spelled = _argument_text(frame)
+        if spelled is not None:
+            return spelled
+        namespace = frame.f_globals
+    found = qualified_names(module_roots(namespace)).get(id(model)) if namespace else None
+    return found or "model"
+
+
+def _argument_text(frame: Any) -> Optional[str]:
+    """The first argument of a ``grads(...)``/``record_gradients(...)`` call on the caller's line."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    if line.endswith(":"):
+        line += " pass"
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and _called_name(node.func) in ("grads", "record_gradients"):
+            arg = node.args[0]
+            if isinstance(arg, (ast.Name, ast.Attribute, ast.Subscript)):
+                return ast.unparse(arg)
+    return None
+
+
+def _called_name(func: ast.expr) -> Optional[str]:
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _start_layer(trace: GradTrace, layer: Union[int, str, None], flags: tuple[Flag, ...]) -> int:
+    if not trace.layers:
+        return 0
+    if layer is not None:
+        try:
+            return trace.layer_index(layer)
+        except (KeyError, IndexError) as exc:
+            raise InputError(str(exc.args[0])) from None
+    for place in _nan_birth_places():
+        born = layer_for_module(trace, place)
+        if born is not None:
+            return born
+    last = len(trace.steps) - 1
+    flagged = [f.layer for f in flags if f.step == last and f.kind != "frozen"]
+    return min(flagged) if flagged else 0
+
+
+def _nan_birth_places() -> list[str]:
+    """Where the last nanwatch report saw the first NaN born: its module, the forward module of a
+    backward birth, the parameter of an optimizer birth (empty when there is no such report)."""
+    try:
+        from torch_nbdebug.api import nanwatch
+
+        report = nanwatch.last_report()
+        first = getattr(report, "first", None) if report is not None else None
+        places = [getattr(first, key, None) for key in ("module", "forward_module", "param")]
+        return [p for p in places if isinstance(p, str) and p]
+    except Exception:  # nanwatch absent or without a report: no link, not an error
+        return []

@@ -1,0 +1,238 @@
+"""``graph(...)``: the computation-graph explorer in Python (the twin of ``%graph``/``%%graph``).
+
+- ``graph(loss)``: the autograd graph behind a tensor (or a tuple of tensors). Modules come from the
+  last recorded forward when it made these nodes, else are inferred from the parameters each op touches.
+- ``graph(model, x)``: runs ``model(x)`` with the recorder on, so every node knows its module; the
+  view opens at module level.
+- ``with record_graph() as rec: loss = model(x).sum()`` then ``rec.graph(loss)`` (what ``%%graph`` does).
+
+The result is a :class:`GraphExplorer`: displays as text, a static SVG and the live widget; its
+``.data`` is a plain, serialisable :class:`GraphData`.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import ChainMap
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torch_nbdebug.data.graph import GraphData, GraphNode
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.process.graph_infer import infer_modules, used_modules
+from torch_nbdebug.record.graph import DEFAULT_MAX_NODES, build_graph, module_types, tensor_names
+from torch_nbdebug.record.graph_recorder import GraphRecorder, last_recording
+from torch_nbdebug.record.modules import module_roots, parameter_names
+from torch_nbdebug.render.graph import GraphExplorer
+
+__all__ = ["graph", "record_graph", "GraphRecording", "GraphData", "GraphExplorer", "GraphNode"]
+
+
+def graph(target: Any, *inputs: Any, names: Optional[Mapping[str, Any]] = None, saved: bool = False,
+          expand: Any = None, max_nodes: int = DEFAULT_MAX_NODES, title: Optional[str] = None) -> GraphExplorer:
+    """The explorer for a tensor's autograd graph, or for ``model(*inputs)`` recorded module by module.
+
+    ``names`` is the namespace whose variables name parameters and tensors (default: the caller's);
+    ``saved=True`` lists what each node saved for backward (shapes only); ``expand`` is ``"auto"``,
+    ``"modules"``, ``"all"`` or a list of module paths to open.
+    """
+    namespace = names if names is not None else _caller_namespace()
+    if not isinstance(max_nodes, int) or max_nodes < 1:
+        raise InputError(f"graph: max_nodes must be a positive int, not {max_nodes!r}")
+    if isinstance(target, nn.Module):
+        return _graph_of_model(target, inputs, namespace, saved, expand or "modules", max_nodes, title)
+    if isinstance(target, GraphRecording):
+        return target.graph(*inputs, saved=saved, expand=expand, max_nodes=max_nodes, title=title)
+    if inputs:
+        raise InputError("graph(tensor) takes no inputs: pass a model to run (graph(model, x)) or only the tensor")
+    outputs = _outputs(target, namespace, title)
+    return _explore(outputs, namespace, {}, {}, saved, expand or "auto", max_nodes, title, recorded=False)
+
+
+class GraphRecording:
+    """``with record_graph() as rec:`` records the module of every autograd node made inside."""
+
+    def __init__(self, names: Optional[Mapping[str, Any]] = None, *, implicit: bool = False) -> None:
+        self.namespace = names
+        self._implicit = implicit  # names came from the caller's frame: look again when graphing
+        self._recorder = GraphRecorder(names)
+
+    def __enter__(self) -> "GraphRecording":
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._recorder.__exit__(*exc)
+
+    def outputs(self) -> list[torch.Tensor]:
+        """Outputs of the top-level modules called while recording (those still alive)."""
+        return self._recorder.outputs()
+
+    def graph(self, *outputs: Any, saved: bool = False, expand: Any = None, max_nodes: int = DEFAULT_MAX_NODES,
+              title: Optional[str] = None) -> GraphExplorer:
+        """The graph behind ``outputs`` (default: the top-level modules' outputs), nested by module."""
+        namespace = _caller_namespace() if self._implicit or self.namespace is None else self.namespace
+        if not outputs:
+            found = self.outputs()
+            if not found:
+                raise InputError("nothing to graph: no module ran while recording, or its output is gone; "
+                                 "end the cell with the output tensor (e.g. `loss`)")
+            pairs = [(_name_of(t, namespace) or f"output{i}", t) for i, t in enumerate(found)]
+        else:
+            pairs = _outputs(outputs[0] if len(outputs) == 1 else tuple(outputs), namespace, title)
+        rec = self._recorder
+        return _explore(pairs, namespace, rec.modules, rec.types, saved, expand or "auto", max_nodes, title,
+                        recorded=True)
+
+
+def record_graph(names: Optional[Mapping[str, Any]] = None) -> GraphRecording:
+    """Context manager: ``with record_graph() as rec: ...`` then ``rec.graph(loss)``."""
+    if names is None:
+        return GraphRecording(_caller_namespace(), implicit=True)
+    return GraphRecording(names)
+
+
+def _caller_namespace() -> Mapping[str, Any]:
+    """The variables of the user's frame that called into this module (globals, then locals)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_globals.get("__name__") == __name__:
+            frame = frame.f_back
+        if frame is None:
+            return {}
+        if frame.f_locals is frame.f_globals:  # module level or a notebook: stay live, see later names
+            return frame.f_globals
+        return ChainMap(frame.f_locals, frame.f_globals)
+    finally:
+        del frame
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _outputs(target: Any, namespace: Mapping[str, Any], title: Optional[str]) -> list[tuple[str, torch.Tensor]]:
+    """Check the target is a tensor (or tensors) with a graph; name each one."""
+    items = list(target.values()) if isinstance(target, dict) else \
+        list(target) if isinstance(target, (tuple, list)) else [target]
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise InputError(f"graph needs a tensor with a grad_fn or an nn.Module; got {_describe(target)}")
+    with_graph = [t for t in tensors if t.grad_fn is not None]
+    if not with_graph:
+        t = tensors[0]
+        why = ("it is a leaf tensor that requires grad (it starts a graph, it has none behind it)"
+               if t.requires_grad else "it does not require grad (computed under no_grad, or from inputs "
+               "and parameters that do not require grad)")
+        raise InputError(f"graph needs a tensor with a grad_fn: {_describe(t)} has none because {why}; graph a "
+                         f"result computed from it, e.g. `loss`, or pass the model and inputs: graph(model, x)")
+    single = len(with_graph) == 1
+    fallback = (title or "output") if single else None
+    return [(_name_of(t, namespace) or fallback or f"output{i}", t) for i, t in enumerate(with_graph)]
+
+
+def _name_of(tensor: torch.Tensor, namespace: Mapping[str, Any]) -> Optional[str]:
+    return tensor_names(namespace).get(id(tensor))
+
+
+def _graph_of_model(model: nn.Module, inputs: Sequence[Any], namespace: Mapping[str, Any], saved: bool, expand: Any,
+                    max_nodes: int, title: Optional[str]) -> GraphExplorer:
+    if not inputs:
+        raise InputError(f"graph({type(model).__name__}) needs example inputs to run the forward: graph(model, x) "
+                         f"(in the magic: %graph model --input x)")
+    model_name = next((k for k, v in namespace.items() if v is model and not k.startswith("_")), None)
+    if model_name is None:
+        model_name = type(model).__name__.lower()
+        namespace = {**namespace, model_name: model}
+    args = [_graph_input(x) for x in inputs]
+    input_names = {id(a): (_name_of(x, namespace) if isinstance(x, torch.Tensor) else None) or f"input{i}"
+                   for i, (a, x) in enumerate(zip(args, inputs))}
+    recording = GraphRecording(namespace)
+    try:
+        with torch.enable_grad(), recording:
+            out = model(*args)
+    except Exception as exc:
+        raise InputError(f"{model_name}(...) raised {type(exc).__name__}: {exc} — fix the forward or the inputs "
+                         f"(shapes, dtypes) and try again") from exc
+    label = title or f"{model_name}(...)"
+    pairs = _outputs(out, {}, label)
+    names = {**namespace, **{n: a for a, n in ((a, input_names[id(a)]) for a in args if isinstance(a, torch.Tensor))}}
+    rec = recording._recorder
+    return _explore(pairs, names, rec.modules, rec.types, saved, expand, max_nodes, title or f"graph of {label}",
+                    recorded=True)
+
+
+def _graph_input(x: Any) -> Any:
+    """Floating tensors get a detached copy that requires grad, so the graph starts at the input.
+
+    ``detach`` shares storage and leaves the user's tensor (and its requires_grad) untouched.
+    """
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
+        return x.detach().requires_grad_(True)
+    return x
+
+
+def _explore(outputs: list[tuple[str, torch.Tensor]], namespace: Mapping[str, Any],
+             modules: Mapping[int, tuple[str, str]], types: Mapping[str, str], saved: bool, expand: Any,
+             max_nodes: int, title: Optional[str], recorded: bool) -> GraphExplorer:
+    roots = module_roots(namespace)
+    if not modules:  # a later `%graph loss` still knows the modules of the last recorded forward
+        modules, last_types = last_recording()
+        types = {**last_types, **types}
+    all_types = {**module_types(roots), **types}
+    data = build_graph(outputs, param_names=parameter_names(roots), input_names=tensor_names(namespace),
+                       modules=modules, module_types=all_types, saved=saved, max_nodes=max_nodes,
+                       title=title or f"graph of {', '.join(label for label, _ in outputs)}",
+                       source="recorded" if recorded else "autograd")
+    ops = [n for n in data.nodes if n.kind == "op"]
+    if not recorded and not any(n.module for n in ops):
+        data = infer_modules(data)
+    elif any(n.module for n in ops):
+        data = GraphData(**{**_fields(data), "source": "recorded"})
+    data = mark_nan_birth(used_modules(data))
+    if len(data.nodes) > 20_000:
+        data = GraphData(**{**_fields(data), "notes": data.notes + (
+            f"{len(data.nodes):,} nodes: showing the graph collapsed; click a group to open it, or search",)})
+    return GraphExplorer(data, expand=expand)
+
+
+def _fields(data: GraphData) -> dict[str, Any]:
+    return {k: getattr(data, k) for k in ("nodes", "edges", "modules", "title", "source", "notes", "truncated")}
+
+
+def mark_nan_birth(data: GraphData) -> GraphData:
+    """Mark the node where the last ``%%nanwatch`` saw the first NaN/Inf born (if it is in this graph)."""
+    try:
+        from torch_nbdebug.api.nanwatch import last_report
+    except ImportError:
+        return data
+    try:
+        report = last_report()
+        first = getattr(report, "first", None) if report is not None else None
+    except Exception:  # another feature's state must never break the graph
+        return data
+    if first is None:
+        return data
+    target = _nan_node(data, first)
+    if target is None:
+        return data
+    nodes = tuple(GraphNode(**{**n.__dict__, "nan": True}) if n.id == target else n for n in data.nodes)
+    return GraphData(**{**_fields(data), "nodes": nodes})
+
+
+def _nan_node(data: GraphData, event: Any) -> Optional[str]:
+    seq, name = getattr(event, "sequence_nr", None), getattr(event, "node_name", None) or ""
+    module, op = getattr(event, "module", None), str(getattr(event, "op", "") or "")
+    ops = [n for n in data.nodes if n.kind == "op"]
+    if seq is not None:
+        for n in ops:
+            if n.seq == seq and (not name or n.op == name.rsplit("::", 1)[-1]):
+                return n.id
+    short = op.split(".")[1] if op.startswith("aten.") and "." in op[5:] else op.split(".")[-1]
+    for n in ops:
+        if module and n.module == module and ((name and n.op == name) or (short and n.label == short)):
+            return n.id
+    return None

@@ -1,0 +1,245 @@
+"""``with nanwatch() as report:`` — where the first NaN/Inf was born (the Python twin of ``%%nanwatch``).
+
+The report is yielded at once and filled in on exit, also when the block raises; the user's
+exception passes through unchanged (a ``NanBirthError`` from ``raise_on_birth`` carries the report).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Iterator, Mapping, Optional
+
+from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
+from torch_nbdebug.errors import InputError, NanBirthError
+from torch_nbdebug.process.nanwatch import summarize_watch
+from torch_nbdebug.record.nanwatch import NanRecorder
+from torch_nbdebug.record.source import cell_source
+from torch_nbdebug.render.bundle import Displayable
+
+__all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanBirthError"]
+
+MODES = ("op", "module")
+_SOURCE_WINDOW = 300
+_last: Optional["NanReport"] = None
+
+
+class NanReport(Displayable):
+    """What a watch found. Shown as text, static HTML and a widget; holds statistics, never tensors."""
+
+    def __init__(self, summary: Optional[NanSummary] = None) -> None:
+        self.summary = summary if summary is not None else NanSummary()
+        self.finished = summary is not None
+
+    @property
+    def events(self) -> tuple[NanEvent, ...]:
+        """Births in the order they happened (forward, backward, optimizer and input-data events)."""
+        return self.summary.events
+
+    @property
+    def first(self) -> Optional[NanEvent]:
+        return self.summary.first
+
+    @property
+    def absorbed(self) -> tuple[NanEvent, ...]:
+        """Forward births a ``torch.where``/``masked_fill`` threw away (harmless in forward)."""
+        return self.summary.absorbed
+
+    @property
+    def layers(self) -> tuple[LayerStats, ...]:
+        return self.summary.layers
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.summary.notes
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def text(self) -> str:
+        from torch_nbdebug.render.nanwatch import report_text
+
+        return report_text(self.summary, self.finished)
+
+    def html(self) -> str:
+        from torch_nbdebug.render.nanwatch import report_html
+
+        return report_html(self.summary, self.finished)
+
+    def widget(self) -> Any:
+        from torch_nbdebug.render.nanwatch import NanView
+
+        return NanView.of(self.summary)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.summary.to_dict()
+
+
+class _LiveNamespace(Mapping[str, Any]):
+    """The caller's globals and locals, read live (a model created inside the block is named too)."""
+
+    def __init__(self, frame: Optional[types.FrameType]) -> None:
+        self._frame = frame
+
+    def _merged(self) -> dict[str, Any]:
+        if self._frame is None:
+            return {}
+        return {**self._frame.f_globals, **self._frame.f_locals}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._merged()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._merged())
+
+    def __len__(self) -> int:
+        return len(self._merged())
+
+    def release(self) -> None:
+        self._frame = None
+
+
+class NanWatch:
+    """The context manager returned by :func:`nanwatch`."""
+
+    def __init__(self, namespace: Optional[Mapping[str, Any]], options: dict[str, Any],
+                 caller: Optional[types.FrameType]) -> None:
+        self._live = _LiveNamespace(caller) if namespace is None else None
+        self._caller_file = caller.f_code.co_filename if caller is not None else None
+        self.options = options
+        self.report = NanReport()
+        self._recorder = NanRecorder(namespace if namespace is not None else self._live, **options)
+
+    def __enter__(self) -> NanReport:
+        self._recorder.start()
+        return self.report
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+        global _last
+        try:
+            self._recorder.stop()
+        finally:
+            try:
+                summary = self._summary(exc)
+            except Exception as err:  # noqa: BLE001 - never replace the user's exception with ours
+                summary = NanSummary(notes=(f"nanwatch could not build its report: {type(err).__name__}: {err}",))
+            self.report.summary, self.report.finished = summary, True
+            _last = self.report
+            if self._live is not None:
+                self._live.release()
+            self._recorder.namespace = None
+        if isinstance(exc, NanBirthError) and exc.report is None:
+            _complete_error(exc, self.report)
+        return False
+
+    def _summary(self, exc: Optional[BaseException]) -> NanSummary:
+        rec = self._recorder
+        notes = list(_notes(rec, exc))
+        summary = summarize_watch(rec.events, rec.absorbed, rec.layers.rows(set()), mode=rec.mode,
+                                  ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.dropped,
+                                  notes=tuple(notes), options=dict(self.options))
+        rec.layers.clear()
+        rec.events = []
+        filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
+        return _with_source(summary, filename)
+
+
+def _complete_error(exc: NanBirthError, report: NanReport) -> None:
+    """Give the raised error the finished report, and the event with its hint in the message."""
+    exc.report = report
+    raw = exc.event
+    for event in report.events:
+        if isinstance(raw, NanEvent) and (event.phase, event.op, event.lineno, event.iteration) == \
+                (raw.phase, raw.op, raw.lineno, raw.iteration):
+            exc.event = event
+            if event.hint and exc.args:
+                exc.args = (f"{exc.args[0]}\n  why/fix: {event.hint}",) + tuple(exc.args[1:])
+            break
+
+
+def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
+    """Attach the source of the first event's cell (and of every other event's file) for highlighting."""
+    import dataclasses
+
+    if not filename:
+        return summary
+    first_line, text = _source_window(filename, summary.first.lineno if summary.first is not None else None)
+    sources = {filename: (first_line, text)}
+    for event in summary.events:
+        if event.filename and event.filename not in sources and len(sources) < 8:
+            sources[event.filename] = _source_window(event.filename, event.lineno)
+    return dataclasses.replace(summary, cell_filename=filename, cell_source=text, source_first_line=first_line,
+                               sources=tuple((name, first, src) for name, (first, src) in sources.items() if src))
+
+
+def _source_window(filename: str, lineno: Optional[int]) -> tuple[int, str]:
+    """The whole cell, or 30 lines around ``lineno`` of a long file."""
+    lines = cell_source(filename).splitlines()
+    first = 1
+    if len(lines) > _SOURCE_WINDOW:
+        first = max(1, (lineno or 1) - 15)
+        lines = lines[first - 1:first + 29]
+    return first, "\n".join(lines)
+
+
+def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
+    saw_torch = rec.ops_seen > 0 or bool(rec.layers._rows) or bool(rec._optim and rec._optim.steps)
+    if not saw_torch and exc is None:
+        yield ("the code ran no torch operations, so there was nothing to watch: put the model call, "
+               "loss.backward() and optimizer.step() inside the watched cell")
+    if rec.mode == "module":
+        yield "module-level mode: only module outputs (and gradients into them) were checked"
+    if not rec.backward:
+        yield "backward pass not watched (--no-backward)"
+    if not rec.optimizer:
+        yield "optimizer steps not watched (--no-optimizer)"
+    if rec.ignore_inf:
+        yield "Inf values ignored (--ignore-inf): only NaN births are reported"
+    if len(rec.events) >= rec.max_events or rec.dropped:
+        yield (f"checking stopped after the first {rec.max_events} births (raise the limit with "
+               f"max_events= / --max-events)")
+    yield from rec.errors
+    if exc is not None and not isinstance(exc, NanBirthError):
+        yield f"the code raised {type(exc).__name__}: the report covers what ran before it"
+
+
+def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True, ignore_inf: bool = False,
+             raise_on_birth: bool = False, namespace: Optional[Mapping[str, Any]] = None,
+             defer: Optional[bool] = None, max_events: int = 50) -> NanWatch:
+    """Watch the block for NaN/Inf births: ``with nanwatch() as report: ...``.
+
+    mode: ``"op"`` (default) checks every ATen op that can create a NaN/Inf; ``"module"`` checks only
+    module outputs (cheaper, names the module but not the op). backward/optimizer: watch those phases.
+    ignore_inf: report NaN only. raise_on_birth: raise :class:`NanBirthError` at the first birth.
+    namespace: where to find variable names for modules/parameters (default: the caller's).
+    defer: keep flags on the device and read them at module boundaries (default: True on CUDA).
+    """
+    if mode not in MODES:
+        raise InputError(f"nanwatch: mode must be 'op' (every op) or 'module' (module outputs only), not {mode!r}")
+    if not isinstance(max_events, int) or max_events < 1:
+        raise InputError(f"nanwatch: max_events must be a positive int, not {max_events!r}")
+    for name, value in (("backward", backward), ("optimizer", optimizer), ("ignore_inf", ignore_inf),
+                        ("raise_on_birth", raise_on_birth)):
+        if not isinstance(value, bool):
+            raise InputError(f"nanwatch: {name} must be True or False, not {value!r}")
+    if namespace is not None and not isinstance(namespace, Mapping):
+        raise InputError(f"nanwatch: namespace must be a dict of names (e.g. globals()), not {type(namespace).__name__}")
+    if defer is None:
+        defer = _cuda_in_use()
+    options = dict(mode=mode, backward=backward, optimizer=optimizer, ignore_inf=ignore_inf,
+                   raise_on_birth=raise_on_birth, defer=defer, max_events=max_events)
+    caller = sys._getframe(1) if namespace is None else None
+    return NanWatch(namespace, options, caller)
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def last_report() -> Optional[NanReport]:
+    """The most recent report from ``nanwatch()`` or ``%%nanwatch`` (None before the first)."""
+    return _last

@@ -1,0 +1,154 @@
+"""What ``%%nanwatch`` found: NaN/Inf births and per-layer statistics, as plain frozen data.
+
+Nothing here holds a tensor: statistics are :class:`TensorStats`, places are strings and ints.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from torch_nbdebug.data.stats import TensorStats
+
+PHASES = ("forward", "backward", "optimizer", "input")
+KINDS = ("nan", "inf")
+
+
+@dataclass(frozen=True)
+class NanEvent:
+    """One birth: the first place a NaN or Inf appeared from finite inputs.
+
+    ``op`` is the ATen overload (``aten.log.default``) in forward, the autograd node
+    (``SqrtBackward0``) in backward, ``Adam.step`` for the optimizer, and the consuming op for
+    ``"input"`` events. ``filename``/``lineno`` are the user's own line (a notebook cell line):
+    for backward births, the forward line that created the node. ``iteration`` is 1-based: the
+    forward/backward pass (or optimizer step) of a loop in which the birth happened.
+    """
+
+    phase: str
+    op: str
+    kind: str
+    module: Optional[str] = None
+    filename: Optional[str] = None
+    lineno: Optional[int] = None
+    line: str = ""
+    function: str = "<module>"
+    inputs: tuple[TensorStats, ...] = ()
+    output: Optional[TensorStats] = None
+    hint: str = ""
+    iteration: int = 1
+    param: Optional[str] = None
+    aten_op: Optional[str] = None
+    node_name: Optional[str] = None
+    sequence_nr: Optional[int] = None
+    forward_op: Optional[str] = None
+    forward_module: Optional[str] = None
+    forward_lineno: Optional[int] = None
+    absorbed_forward: bool = False
+    deferred: bool = False
+    detail: str = ""
+
+    @property
+    def step(self) -> int:
+        """Alias of ``iteration`` (the optimizer step for ``"optimizer"`` events)."""
+        return self.iteration
+
+    @property
+    def where(self) -> str:
+        """``cell line 3 in model.fc`` style location for messages."""
+        parts = []
+        if self.lineno is not None:
+            parts.append(f"line {self.lineno}" + (f" ({self.filename})" if self.filename else ""))
+        if self.module:
+            parts.append(f"in {self.module}")
+        if self.param:
+            parts.append(f"parameter {self.param}")
+        return " ".join(parts) or "outside any module"
+
+    def title(self) -> str:
+        """One line: ``NaN born in forward: aten.log.default in model.fc (line 3)``."""
+        what = "NaN" if self.kind == "nan" else "Inf"
+        if self.phase == "input":
+            return f"{what} already in the input data, first used by {self.op}" + _at(self)
+        if self.phase == "optimizer":
+            return f"{what} born in optimizer step {self.iteration}: {self.param or '?'} ({self.op})"
+        return f"{what} born in {self.phase}: {self.op}" + _at(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["inputs"] = [s.to_dict() for s in self.inputs]
+        data["output"] = self.output.to_dict() if self.output is not None else None
+        data["title"] = self.title()
+        return data
+
+
+def _at(event: NanEvent) -> str:
+    bits = []
+    if event.module:
+        bits.append(f"in {event.module}")
+    if event.lineno is not None:
+        bits.append(f"(line {event.lineno})")
+    return (" " + " ".join(bits)) if bits else ""
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Forward activation and backward gradient statistics of one module (min/max/mean, finiteness).
+
+    ``fwd_*`` are from the call where its output first went non-finite, else the last call;
+    ``grad_*`` likewise for the gradient flowing into its output. ``None`` means never seen.
+    """
+
+    module: str
+    calls: int = 0
+    fwd_min: Optional[float] = None
+    fwd_max: Optional[float] = None
+    fwd_mean: Optional[float] = None
+    fwd_finite: Optional[bool] = None
+    grad_min: Optional[float] = None
+    grad_max: Optional[float] = None
+    grad_mean: Optional[float] = None
+    grad_finite: Optional[bool] = None
+    birth: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NanSummary:
+    """Everything one watch recorded: births in order, absorbed births, layers, and notes."""
+
+    events: tuple[NanEvent, ...] = ()
+    absorbed: tuple[NanEvent, ...] = ()
+    layers: tuple[LayerStats, ...] = ()
+    mode: str = "op"
+    ops_seen: int = 0
+    ops_checked: int = 0
+    dropped: int = 0
+    notes: tuple[str, ...] = ()
+    cell_filename: Optional[str] = None
+    cell_source: str = ""
+    source_first_line: int = 1
+    sources: tuple[tuple[str, int, str], ...] = ()  # (filename, first line, text) of every event's file
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first(self) -> Optional[NanEvent]:
+        return self.events[0] if self.events else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "events": [e.to_dict() for e in self.events],
+            "absorbed": [e.to_dict() for e in self.absorbed],
+            "layers": [layer.to_dict() for layer in self.layers],
+            "mode": self.mode,
+            "ops_seen": self.ops_seen,
+            "ops_checked": self.ops_checked,
+            "dropped": self.dropped,
+            "notes": list(self.notes),
+            "cell_filename": self.cell_filename,
+            "cell_source": self.cell_source,
+            "source_first_line": self.source_first_line,
+            "sources": {name: {"first_line": first, "text": text} for name, first, text in self.sources},
+            "options": dict(self.options),
+        }

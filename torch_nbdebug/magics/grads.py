@@ -1,0 +1,79 @@
+"""``%grads model`` (after a backward) and ``%%grads model`` (around a training loop)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+from torch import nn
+
+from torch_nbdebug.api.grads import grads as grads_snapshot
+from torch_nbdebug.api.grads import record_gradients
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.magics._common import evaluate, parse_args, require_body, run_body, usage_errors
+
+
+@magics_class
+class GradsMagics(Magics):
+    """The gradient stepper: per-layer gradient statistics, flags and histograms."""
+
+    @magic_arguments()
+    @argument("model", help="the nn.Module whose gradients to show (a variable name or expression)")
+    @argument("-l", "--layer", default=None, help="open the stepper at this layer (model.fc2, fc2 or an index)")
+    @argument("-a", "--activations", action="store_true",
+              help="%%grads only: also record activation statistics (mean, std, zeros) with forward hooks")
+    @argument("-s", "--sample", type=int, default=4096,
+              help="%%grads only: elements per parameter used for histograms and counts (default 4096)")
+    @argument("-b", "--bins", type=int, default=64, help="histogram bins (default 64)")
+    @argument("-o", "--output", action="store_true", help="return the result object instead of only showing it")
+    @line_cell_magic
+    def grads(self, line: str, cell: Optional[str] = None) -> Any:
+        """Show per-layer gradients of a model.
+
+        ``%grads model`` after ``loss.backward()``: the current ``.grad`` of every parameter.
+        ``%%grads model`` above a training loop: statistics at every optimizer step (or every
+        backward when no optimizer steps), with a step axis.
+        """
+        args = parse_args(self.grads, line)
+        model = evaluate(self.shell, args.model, "%grads")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"%grads needs an nn.Module (your model); {args.model} is a {type(model).__name__}")
+        layer = _layer_arg(args.layer)
+        if cell is None:
+            try:
+                result = grads_snapshot(model, namespace=self.shell.user_ns, layer=layer, bins=args.bins)
+            except InputError as exc:
+                raise usage_errors(exc) from None
+            return _show(result, args.output)
+        body = require_body(cell, "grads")
+        try:
+            recording = record_gradients(model, namespace=self.shell.user_ns, layer=layer, bins=args.bins,
+                                         sample=args.sample, activations=args.activations)
+        except InputError as exc:
+            raise usage_errors(exc) from None
+        try:
+            with recording:
+                run_body(self.shell, body)
+        finally:
+            # Show what was recorded even when the loop raised: the failure may be why the user looks.
+            if recording.trace is not None:
+                shown = _show(recording, args.output)
+        return shown
+
+
+def _layer_arg(value: Optional[str]) -> Any:
+    if value is None:
+        return None
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def _show(result: Any, output: bool) -> Any:
+    if output:
+        return result
+    display(result)
+    return None
+
+
+MAGICS = GradsMagics

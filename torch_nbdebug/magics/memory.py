@@ -1,0 +1,67 @@
+"""``%cudamem`` (memory now) and ``%%cudamem`` (run the cell, show its memory timeline)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.magics._common import parse_args, run_body
+
+
+@magics_class
+class MemoryMagics(Magics):
+    @magic_arguments()
+    @argument("-o", "--output", action="store_true",
+              help="return the MemoryState / MemoryTimeline object (like %%timeit -o)")
+    @argument("--device", default=None,
+              help="cpu or cuda (default: cuda when available, else the CPU tensors with a note)")
+    @argument("--top", type=int, default=10, help="how many of the largest tensors/allocations to list")
+    @argument("--export", default=None, metavar="FILE.pickle",
+              help="cell magic (%%%%cudamem) only: write a snapshot that PyTorch's memory viewer "
+                   "(pytorch.org/memory_viz) opens; on CPU the same format PyTorch uses for CPU profiles")
+    @argument("--no-lines", action="store_true", help="cell magic (%%%%cudamem) only: skip recording source lines (faster)")
+    @line_cell_magic
+    def cudamem(self, line: str, cell: Optional[str] = None) -> Any:
+        """Memory by category: parameters, gradients, optimizer state, activations, temporaries, other.
+
+        %cudamem           the state now: bytes by category, largest tensors named by their holder
+        %%cudamem          run the cell; show its memory timeline, the peak and any leaked tensors
+        """
+        from torch_nbdebug.api.memory import memory_state, memory_timeline, write_snapshot
+
+        args = parse_args(self.cudamem, line)
+        if args.top < 0:
+            raise UsageError(f"--top {args.top}: pass a positive count, e.g. --top 10")
+        try:
+            if cell is None or not cell.strip():
+                if args.export:
+                    raise UsageError("--export needs a cell to record: use it as %%cudamem --export file.pickle")
+                result = memory_state(self.shell.user_ns, device=args.device, top=args.top)
+                return result if args.output else display(result)
+            scope = memory_timeline(self.shell.user_ns, device=args.device, top=args.top,
+                                    record_lines=not args.no_lines)
+        except InputError as exc:
+            raise UsageError(str(exc)) from None
+        tl, finished = None, False
+        try:
+            with scope as tl:
+                run_body(self.shell, cell)  # like %%timeit: the timeline is shown, not the cell's value
+            finished = True
+        finally:
+            # With -o the returned timeline is the cell's output; if the cell raised, show it here.
+            if tl is not None and len(tl.steps) and not (finished and args.output):
+                display(tl)
+        if args.export:
+            try:
+                path = write_snapshot(tl, args.export)
+            except InputError as exc:
+                raise UsageError(str(exc)) from None
+            print(f"snapshot written to {path}: open it at https://pytorch.org/memory_viz")
+        return tl if args.output else None
+
+
+MAGICS = MemoryMagics

@@ -1,0 +1,72 @@
+"""``%%nanwatch``: run the cell and show where the first NaN/Inf was born."""
+from __future__ import annotations
+
+import ast
+from typing import Any, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from torch_nbdebug.api.nanwatch import NanReport, nanwatch
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.magics._common import parse_args, require_body, run_body, usage_errors
+
+
+@magics_class
+class NanwatchMagics(Magics):
+    @magic_arguments()
+    @argument("--mode", choices=("op", "module"), default="op",
+              help="op (default): check every op that can create NaN/Inf and name it; "
+                   "module: check only module outputs (cheaper, names the module)")
+    @argument("--no-backward", action="store_true", help="do not watch the backward pass")
+    @argument("--no-optimizer", action="store_true", help="do not watch optimizer.step()")
+    @argument("--ignore-inf", action="store_true", help="report NaN only, not Inf")
+    @argument("--raise", dest="raise_on_birth", action="store_true",
+              help="stop at the first birth with NanBirthError pointing at your line (the report is still shown)")
+    @argument("--max-events", type=int, default=50, help="keep at most this many births (default 50)")
+    @argument("-o", dest="return_report", action="store_true",
+              help="return the report object (it is also stored as _nanwatch)")
+    @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _nanwatch)")
+    @cell_magic
+    def nanwatch(self, line: str, cell: Optional[str] = None) -> Any:
+        """Run the cell and report where the first NaN/Inf was born: the op, module and line of yours.
+
+        Watches forward ops, the backward pass and optimizer steps. The report is displayed (also
+        when the cell raises; your exception is re-raised unchanged) and stored as ``_nanwatch``.
+        Python twin: ``with torch_nbdebug.nanwatch(mode=..., raise_on_birth=...) as report:``.
+        """
+        args = parse_args(self.nanwatch, line)
+        body = require_body(cell, "nanwatch")
+        _check_syntax(self.shell, body)
+        try:
+            watch = nanwatch(mode=args.mode, backward=not args.no_backward, optimizer=not args.no_optimizer,
+                             ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth,
+                             namespace=self.shell.user_ns, max_events=args.max_events)
+        except InputError as exc:
+            raise usage_errors(exc) from None
+        report: NanReport = watch.report
+        failed = True
+        try:
+            with watch:
+                value = run_body(self.shell, body)
+            failed = False
+        finally:
+            self.shell.user_ns["_nanwatch"] = report
+            if not args.quiet and (failed or not args.return_report):
+                display(report)
+        if value is not None:
+            display(value)
+        return report if args.return_report else None
+
+
+def _check_syntax(shell: Any, body: str) -> None:
+    """A syntax error is reported before anything is watched, as a usage error naming the line."""
+    try:
+        ast.parse(shell.transform_cell(body))
+    except SyntaxError as exc:
+        raise UsageError(f"%%nanwatch: the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
+
+
+MAGICS = NanwatchMagics

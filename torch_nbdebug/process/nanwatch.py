@@ -1,0 +1,159 @@
+"""Pure functions over nanwatch data: plain-language hints, the first birth, the final summary."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
+from torch_nbdebug.data.stats import TensorStats
+
+_HALF_MAX = {"float16": 65504.0, "bfloat16": 3.39e38}
+
+
+def first_birth(events: Sequence[NanEvent]) -> Optional[NanEvent]:
+    """The earliest birth (events are kept in the order they happened)."""
+    return events[0] if events else None
+
+
+def _base(op: str) -> str:
+    """``aten.log.default`` -> ``log``; ``SqrtBackward0`` -> ``sqrt``; ``aten.add_.Tensor`` -> ``add``."""
+    if op.endswith("Backward0") or op.endswith("Backward1"):
+        return op[: -len("Backward0")].lower()
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+    return name.rstrip("_").lstrip("_")
+
+
+def _has(stats: Iterable[TensorStats], pred: str) -> bool:
+    for s in stats:
+        if pred == "zero" and s.zeros:
+            return True
+        if pred == "neg" and s.min is not None and s.min < 0:
+            return True
+        if pred == "big" and s.max is not None and abs(s.max) > 1e30:
+            return True
+    return False
+
+
+def _half(event: NanEvent) -> Optional[str]:
+    dtypes = [s.dtype for s in ([event.output] if event.output else []) + list(event.inputs)]
+    return next((d for d in dtypes if d in _HALF_MAX), None)
+
+
+def hint(event: NanEvent, absorbed_ops: Sequence[str] = ()) -> str:
+    """A likely cause and a fix, in plain words, from the op, the phase and the input statistics."""
+    if event.phase == "input" and "parameter" in event.detail and "not a parameter" not in event.detail:
+        return (f"A {event.detail[len('non-finite '):]} already held NaN/Inf before this code ran: an earlier "
+                "training step diverged. Reload a checkpoint or re-initialise the model, then watch the "
+                "training loop to find the step where it was born.")
+    if event.phase == "input":
+        return ("The data coming in already holds NaN/Inf, before any op made one: check the dataset or "
+                "preprocessing (e.g. assert torch.isfinite(x).all() when loading), or clean it with "
+                "torch.nan_to_num. This op only consumed it.")
+    if event.phase == "optimizer":
+        grad_ok = "gradient finite" in event.detail
+        why = ("the update itself overflowed: the learning rate is too large or growing"
+               if grad_ok else "the gradient or optimizer state was non-finite")
+        return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
+                f"{why} ({event.detail}). Lower the learning rate or fix the schedule, and clip gradients "
+                "(torch.nn.utils.clip_grad_norm_).")
+    if event.phase == "backward":
+        return _backward_hint(event, absorbed_ops)
+    return _forward_hint(_base(event.op), event)
+
+
+def _forward_hint(name: str, event: NanEvent) -> str:
+    ins = event.inputs
+    half = _half(event)
+    if event.module and event.op.endswith("(module output)"):
+        return (f"The output of {event.module} went non-finite while its inputs were finite. "
+                "Run with the op-level mode (the default) to name the exact op.")
+    if name in ("log", "log2", "log10", "log1p", "xlogy"):
+        if _has(ins, "neg"):
+            return "log of a negative number gives NaN: make sure the input is positive (e.g. softplus, abs, clamp)."
+        return "log of zero gives -inf: use torch.log(x.clamp_min(eps)) or torch.log(x + eps), or log_softmax."
+    if name in ("sqrt", "rsqrt"):
+        return f"{name} of a negative number gives NaN: clamp the input (x.clamp_min(0)) or add eps."
+    if name == "pow":
+        return ("pow of a negative base with a fractional exponent gives NaN, and 0 to a negative power gives "
+                "inf: clamp the base or use abs().")
+    if name in ("div", "reciprocal", "floor_divide", "remainder", "fmod"):
+        if event.kind == "nan":
+            return "0/0 gives NaN: guard the denominator (x / (d + eps) or d.clamp_min(eps))."
+        return "division by zero gives inf: guard the denominator (x / (d + eps) or d.clamp_min(eps))."
+    if name in ("exp", "exp2", "expm1", "sinh", "cosh"):
+        extra = (f" In {half} the largest value is {_HALF_MAX[half]:.5g}: consider bfloat16, autocast with "
+                 "GradScaler, or computing this in float32." if half else "")
+        return "exp overflowed to inf: use logsumexp / softmax / log_softmax, or subtract the max first." + extra
+    if name in ("acos", "asin", "atanh", "acosh"):
+        return f"{name} is only defined on a limited range (e.g. [-1, 1]): clamp the input slightly inside it."
+    if name in ("var", "std", "var_mean", "std_mean"):
+        return "var/std of a single element is NaN (unbiased, divides by n-1 = 0): use unbiased=False or more elements."
+    if name in ("mean",) and event.kind == "nan":
+        return "mean of an empty tensor is NaN: check the shape or the mask that selected it."
+    if name in ("_softmax", "softmax", "_log_softmax", "log_softmax", "_scaled_dot_product_flash_attention_for_cpu",
+                "scaled_dot_product_attention", "_scaled_dot_product_efficient_attention"):
+        return ("softmax over a row that is entirely -inf (fully masked) gives NaN: make sure every row keeps "
+                "at least one unmasked position, or use a large negative number instead of -inf.")
+    if event.kind == "nan" and any(s.inf for s in ins):
+        return "inf - inf or 0 * inf gives NaN: an earlier infinity met another one here; remove the infinity upstream."
+    if half:
+        return (f"{half} overflow: values went past {_HALF_MAX[half]:.5g}. Use bfloat16, autocast with a GradScaler, "
+                "keep this op in float32, or normalise the inputs.")
+    if event.kind == "inf":
+        return "Overflow: values went past the dtype's largest number. Normalise or scale down the inputs."
+    return "This op made NaN from finite inputs: check its inputs' ranges in the statistics below."
+
+
+def _backward_hint(event: NanEvent, absorbed_ops: Sequence[str]) -> str:
+    name = _base(event.op)
+    fwd = f" (created by {event.forward_op} at line {event.forward_lineno})" if event.forward_op else ""
+    if event.absorbed_forward or (event.forward_op and event.forward_op in absorbed_ops):
+        return ("The torch.where trap: the forward threw the bad branch away, but its gradient is still "
+                f"computed: {event.op}{fwd} gives NaN at the masked positions. Make the unused branch safe "
+                "instead, e.g. torch.log(torch.where(mask, x, 1.0)) inside the where.")
+    if name in ("sqrt", "rsqrt"):
+        return ("The gradient of sqrt at 0 is infinite (1 / (2*sqrt(x))): use torch.sqrt(x + eps) or clamp x "
+                f"away from 0{fwd}.")
+    if name in ("log", "log2", "log10"):
+        return f"The gradient of log at 0 is infinite (1/x): clamp the input away from 0{fwd}."
+    if name in ("pow",):
+        return f"The gradient of pow with an exponent below 1 is infinite at 0: add eps to the base{fwd}."
+    if name in ("norm", "linalgvectornorm"):
+        return f"The gradient of a norm at the zero vector is 0/0 = NaN: add eps inside the norm{fwd}."
+    if name in ("div",):
+        return f"The gradient of a division by (almost) zero is non-finite: guard the denominator{fwd}."
+    if name in ("acos", "asin"):
+        return f"The gradient of {name} at ±1 is infinite: clamp the input to (-1+eps, 1-eps){fwd}."
+    half = _half(event)
+    if half:
+        return (f"{half} overflow in the backward pass{fwd}: use a GradScaler (it lowers the loss scale when this "
+                "happens) or bfloat16.")
+    return f"The gradient of this op is non-finite at these inputs although the forward was finite{fwd}."
+
+
+def with_hints(events: Sequence[NanEvent], absorbed: Sequence[NanEvent] = ()) -> tuple[NanEvent, ...]:
+    absorbed_ops = [e.op for e in absorbed]
+    absorbed_seqs = {e.sequence_nr for e in absorbed if e.sequence_nr is not None}
+    out = []
+    for e in events:
+        if e.phase == "backward" and e.sequence_nr in absorbed_seqs:
+            e = dataclasses.replace(e, absorbed_forward=True)
+        out.append(e if e.hint else dataclasses.replace(e, hint=hint(e, absorbed_ops)))
+    return tuple(out)
+
+
+def mark_births(layers: Sequence[LayerStats], events: Sequence[NanEvent]) -> tuple[LayerStats, ...]:
+    """Mark the table row of the first birth's module (the innermost module that contains it)."""
+    first = first_birth(events)
+    target = first.module if first is not None else None
+    return tuple(dataclasses.replace(layer, birth=(layer.module == target)) for layer in layers)
+
+
+def summarize_watch(events: Sequence[NanEvent], absorbed_idx: set[int], layers: Sequence[LayerStats],
+                    **fields: object) -> NanSummary:
+    """Split absorbed births off, add hints, mark the birth row: the report's data."""
+    kept = [e for i, e in enumerate(events) if i not in absorbed_idx]
+    gone = [dataclasses.replace(e, hint=hint(e)) for i, e in enumerate(events) if i in absorbed_idx]
+    kept_h = with_hints(kept, gone)
+    return NanSummary(events=kept_h, absorbed=tuple(gone), layers=mark_births(layers, kept_h), **fields)  # type: ignore[arg-type]

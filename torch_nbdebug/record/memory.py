@@ -1,0 +1,348 @@
+"""Record every tensor storage a block of code allocates and frees, with its category and origin.
+
+A :class:`TorchDispatchMode` sees the outputs of every op; each storage not seen before is an
+allocation (bytes counted once per storage, however many views share it). A weak reference with a
+callback on the storage's Python object tells us when it is freed: PyTorch keeps that object alive
+exactly as long as the storage, so the callback fires at the real free and keeps nothing alive.
+
+Categories come from what PyTorch tells us along the way: a saved-tensors pack hook marks
+activations saved for backward, the ``AccumulateGrad`` node marks gradients, optimizer step hooks
+mark parameters, gradients and optimizer state; anything else allocated inside forward, backward
+or the optimizer step is a temporary, and the rest is "other". Tensors alive before recording are
+found with the garbage collector and counted from the start.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import types
+import weakref
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_nbdebug.data.memory import CATEGORIES, PHASES, Allocation, MemoryRecording
+from torch_nbdebug.data.source import SourceLine
+from torch_nbdebug.record.memory_holders import (
+    find_holders, persistent_keys, scan_objects, storage_key,
+)
+from torch_nbdebug.record.memory_ops import Saved, builds_graph, is_input_storage, tensors_in, unpack
+from torch_nbdebug.record.modules import ModuleTracker
+from torch_nbdebug.record.source import is_user_code, line_of
+
+PARAM, GRAD, OPT, ACT, TEMP, OTHER = range(len(CATEGORIES))
+IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
+_CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers which allocation it stands for."""
+
+    __slots__ = ("alloc_id",)
+
+
+class _Record:
+    """Mutable bookkeeping for one allocation while recording (frozen into an Allocation at stop)."""
+
+    __slots__ = ("nbytes", "shape", "dtype", "category", "phase", "module", "line", "op", "device",
+                 "start", "end", "key", "address")
+
+    def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: str, category: int, phase: int,
+                 module: Optional[str], line: Optional[SourceLine], op: str, device: str, start: int,
+                 key: int) -> None:
+        self.nbytes, self.shape, self.dtype, self.category, self.phase = nbytes, shape, dtype, category, phase
+        self.module, self.line, self.op, self.device, self.start = module, line, op, device, start
+        self.end: Optional[int] = None
+        self.key = key
+        self.address = 0
+
+
+class _AllocationMode(TorchDispatchMode):
+    """Forwards every op's outputs to the recorder; changes nothing about the op itself."""
+
+    def __init__(self, recorder: "MemoryRecorder") -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.recorder._on_outputs(func, out, (args, kwargs))
+        return out
+
+
+class MemoryRecorder:
+    """Context manager recording the allocations of tensors on ``device_type`` ("cpu" or "cuda")."""
+
+    def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, device_type: str = "cpu",
+                 record_lines: bool = True, scan_gc: bool = False) -> None:
+        self.namespace = namespace
+        self.scan_gc = scan_gc
+        self.device_type = device_type
+        self.record_lines = record_lines
+        self.recording: Optional[MemoryRecording] = None
+        self._records: list[_Record] = []
+        self._live: dict[int, int] = {}  # storage key -> allocation id
+        self._refs: dict[int, _StorageRef] = {}
+        self._events: list[int] = []
+        self._times: list[int] = []
+        self._phases: list[int] = []
+        self._iterations: list[int] = []
+        self._in_optimizer = 0
+        self._last_phase = IDLE
+        self._line_cache: dict[tuple[types.CodeType, int], SourceLine] = {}
+        self._exits: list[Any] = []
+        self._t0 = 0
+        self._tracker = ModuleTracker(namespace, on_enter=self._on_module)
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "MemoryRecorder":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter_ns()
+        self._adopt_existing()
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _install(self) -> None:
+        self._tracker.__enter__()
+        self._exits.append(self._tracker.remove)
+        pre = register_optimizer_step_pre_hook(self._on_step_pre)
+        self._exits.append(pre.remove)
+        post = register_optimizer_step_post_hook(self._on_step_post)
+        self._exits.append(post.remove)
+        saved = torch.autograd.graph.saved_tensors_hooks(self._on_saved, unpack)
+        saved.__enter__()
+        self._exits.append(lambda: saved.__exit__(None, None, None))
+        mode = _AllocationMode(self)
+        mode.__enter__()
+        self._exits.append(lambda: mode.__exit__(None, None, None))
+
+    def _uninstall(self) -> None:
+        """Remove everything in reverse order; every step runs even if an earlier one fails."""
+        errors: list[BaseException] = []
+        while self._exits:
+            undo = self._exits.pop()
+            try:
+                undo()
+            except BaseException as exc:  # keep undoing: leaving a mode behind breaks the user's session
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def stop(self) -> MemoryRecording:
+        try:
+            self._uninstall()
+        finally:
+            try:
+                self.recording = self._finish()
+            finally:
+                self._refs.clear()  # no callbacks after this point; nothing of the user's is kept
+                self._live.clear()
+                self._modules = weakref.WeakSet()
+                self._optimizers = weakref.WeakSet()
+        return self.recording
+
+    # -- allocations ---------------------------------------------------------------------------
+    def _adopt_existing(self) -> None:
+        """Count tensors alive before recording (parameters, data...) as allocations at step -1.
+
+        ``scan_gc`` finds every tensor through the garbage collector (exact, but a pass over every
+        object: 0.1-0.5 s in a notebook with large libraries imported). By default the namespace
+        walk finds what the user can reach in a few milliseconds, and tensors it misses are adopted
+        as pre-existing the first time an op writes to or views them (see ``_on_outputs``).
+        """
+        if self.scan_gc:
+            tensors, modules, optimizers = scan_objects()
+            # Remembered weakly so the end of recording needs no second pass over every object.
+            self._modules.update(modules)
+            self._optimizers.update(optimizers)
+            del modules, optimizers
+        else:
+            tensors = []
+            find_holders(self.namespace, on_new=lambda key, tensor: tensors.append(tensor))
+        kinds = persistent_keys(*self._state_owners())
+        for tensor in tensors:
+            key = storage_key(tensor)
+            if key is None or key in self._live or tensor.device.type != self.device_type:
+                continue
+            self._track(tensor, key, _CATEGORY_INDEX[kinds.get(key, "other")], IDLE, "", -1, None, None)
+        del tensors
+
+    def _on_outputs(self, func: Any, out: Any, args: Any) -> None:
+        node = torch._C._current_autograd_node()
+        graph_inputs: Optional[bool] = None  # computed once, only when a new storage needs a phase
+        for tensor in tensors_in(out):
+            if tensor.device.type != self.device_type:
+                continue
+            key = storage_key(tensor)
+            if key is None:
+                continue
+            alloc_id = self._live.get(key)
+            if alloc_id is None and is_input_storage(key, args):
+                # An in-place op or a view of a tensor we never saw: it existed before recording.
+                alloc_id = self._track(tensor, key, OTHER, IDLE, "", -1, None, None)
+            elif alloc_id is None:
+                if graph_inputs is None:
+                    graph_inputs = builds_graph(args)
+                phase = self._phase(node, graph_inputs)
+                category = TEMP if phase != IDLE else OTHER
+                line = self._user_line() if self.record_lines else None
+                alloc_id = self._track(tensor, key, category, phase, func.__name__, None,
+                                       self._tracker.current, line)
+            if node is not None and type(node).__name__ == "AccumulateGrad":
+                self._classify(alloc_id, GRAD)
+
+    def _track(self, tensor: torch.Tensor, key: int, category: int, phase: int, op: str,
+               start: Optional[int], module: Optional[str], line: Optional[SourceLine]) -> int:
+        storage = tensor.untyped_storage()
+        alloc_id = len(self._records)
+        ref = _StorageRef(storage, self._on_free)
+        ref.alloc_id = alloc_id
+        step = start if start is not None else self._event(alloc_id, phase)
+        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
+        record = _Record(storage.nbytes(), tuple(tensor.shape), dtype,
+                         category, phase, module, line, op, str(tensor.device), step, key)
+        record.address = storage.data_ptr()
+        self._records.append(record)
+        self._refs[key] = ref
+        self._live[key] = alloc_id
+        return alloc_id
+
+    def _on_free(self, ref: _StorageRef) -> None:
+        record = self._records[ref.alloc_id]
+        if self._live.get(record.key) != ref.alloc_id:
+            return
+        del self._live[record.key]
+        self._refs.pop(record.key, None)
+        record.end = self._event(-(ref.alloc_id + 1), self._phase(torch._C._current_autograd_node()))
+
+    def _event(self, code: int, phase: int) -> int:
+        self._events.append(code)
+        self._times.append(time.perf_counter_ns() - self._t0)
+        self._phases.append(phase)
+        self._last_phase = phase
+        return len(self._events) - 1
+
+    def _phase(self, node: Any, graph_inputs: bool = False) -> int:
+        """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
+        that extends the graph, like a loss computed outside the model), else idle."""
+        if self._in_optimizer:
+            return OPTIMIZER
+        if node is not None:
+            return BACKWARD
+        if self._tracker.stack or graph_inputs:
+            return FORWARD
+        return IDLE
+
+    def _classify(self, alloc_id: int, category: int) -> None:
+        record = self._records[alloc_id]
+        record.category = min(record.category, category)  # parameters > gradients > ... > other
+
+    def _classify_tensor(self, tensor: Optional[torch.Tensor], category: int) -> None:
+        if tensor is None:
+            return
+        alloc_id = self._live.get(storage_key(tensor) or -1)
+        if alloc_id is not None:
+            self._classify(alloc_id, category)
+
+    def _user_line(self) -> Optional[SourceLine]:
+        frame: Optional[types.FrameType] = sys._getframe(3)
+        while frame is not None and not is_user_code(frame.f_code):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        key = (frame.f_code, frame.f_lineno)
+        line = self._line_cache.get(key)
+        if line is None:
+            line = self._line_cache[key] = line_of(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        return line
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _on_module(self, path: str, module: torch.nn.Module) -> None:
+        if len(self._tracker.stack) == 1:
+            self._modules.add(module)
+            if self._last_phase != FORWARD or not self._iterations:
+                self._iterations.append(len(self._events))
+        for param in module._parameters.values():
+            self._classify_tensor(param, PARAM)
+
+    def _on_saved(self, tensor: torch.Tensor) -> "Saved":
+        key = storage_key(tensor)
+        alloc_id = self._live.get(key) if key is not None else None
+        if alloc_id is not None:
+            self._classify(alloc_id, ACT)
+        return Saved(tensor)
+
+    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._in_optimizer += 1
+        self._optimizers.add(optimizer)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._classify_tensor(param, PARAM)
+                self._classify_tensor(param.grad, GRAD)
+
+    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._in_optimizer = max(0, self._in_optimizer - 1)
+        for state in list(optimizer.state.values()):
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self._classify_tensor(value, OPT)
+
+    # -- result --------------------------------------------------------------------------------
+    def _finish(self) -> MemoryRecording:
+        """Classify what survived by the model/optimizer state, name holders, freeze the data."""
+        duration = (time.perf_counter_ns() - self._t0) / 1e9
+        kinds = persistent_keys(*self._state_owners())
+        holders = find_holders(self.namespace, on_new=self._adopt_unseen)
+        allocations = tuple(self._freeze(i, r, kinds, holders) for i, r in enumerate(self._records))
+        return MemoryRecording(
+            device=self.device_type, allocations=allocations,
+            events=np.asarray(self._events, dtype=np.int64),
+            event_time_ns=np.asarray(self._times, dtype=np.int64),
+            event_phase=np.asarray(self._phases, dtype=np.int8),
+            iteration_starts=tuple(self._iterations), duration_s=duration)
+
+    def _adopt_unseen(self, key: int, tensor: torch.Tensor) -> None:
+        """A tensor the namespace holds that no op produced (``torch.from_numpy``, made by C++ code we
+        cannot see): it appeared during the block, so it is counted from the last event on."""
+        if key not in self._live and tensor.device.type == self.device_type:
+            self._track(tensor, key, OTHER, IDLE, "(made outside torch ops)", None, None, None)
+
+    def _state_owners(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+        """Modules and optimizers alive at the start, run or stepped during recording, or in the namespace."""
+        modules = [sub for m in list(self._modules) for sub in m.modules()]
+        optimizers = list(self._optimizers)
+        for value in list((self.namespace or {}).values()):
+            if isinstance(value, torch.nn.Module):
+                modules.extend(value.modules())
+            elif isinstance(value, torch.optim.Optimizer):
+                optimizers.append(value)
+        return modules, optimizers
+
+    def _freeze(self, alloc_id: int, r: _Record, kinds: dict[int, str], holders: Any) -> Allocation:
+        alive = r.end is None
+        category = r.category
+        if alive and r.key in kinds:
+            category = min(category, _CATEGORY_INDEX[kinds[r.key]])
+        return Allocation(id=alloc_id, nbytes=r.nbytes, shape=r.shape, dtype=r.dtype,
+                          category=CATEGORIES[category], phase=PHASES[r.phase], start=r.start, end=r.end,
+                          module=r.module, line=r.line, op=r.op, device=r.device,
+                          holder=holders.names.get(r.key) if alive else None,
+                          has_graph=bool(holders.graphs.get(r.key, False)) if alive else False,
+                          address=r.address)

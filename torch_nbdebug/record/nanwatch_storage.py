@@ -1,0 +1,64 @@
+"""Which storages were produced inside the watch (so a non-finite tensor from outside is "input" data).
+
+Keys are storage addresses held through *weak* storage references: the tensor data is freed as
+usual, but the address cannot be reused by another storage while we hold the weak count, so a
+live storage found here really is the one an op produced. Expired entries are purged as we go.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_expired = torch.UntypedStorage._expired
+_free = torch.UntypedStorage._free_weak_ref
+_PURGE_EVERY = 8192
+
+
+class StorageRegistry:
+    def __init__(self) -> None:
+        self._keys: dict[int, int] = {}
+        self._adds = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add_all(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self.add(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self.add(t)
+
+    def add(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
+            return
+        key = storage._cdata
+        if key in self._keys:
+            return
+        self._keys[key] = storage._weak_ref()
+        self._adds += 1
+        if self._adds >= _PURGE_EVERY:
+            self.purge()
+
+    def contains(self, t: torch.Tensor) -> bool:
+        try:
+            return t.untyped_storage()._cdata in self._keys
+        except (RuntimeError, NotImplementedError):
+            return False
+
+    def purge(self) -> None:
+        """Forget storages that were freed (their addresses may then be reused)."""
+        self._adds = 0
+        for key, weak in list(self._keys.items()):
+            if _expired(weak):
+                _free(weak)
+                del self._keys[key]
+
+    def clear(self) -> None:
+        for weak in self._keys.values():
+            _free(weak)
+        self._keys.clear()

@@ -1,0 +1,337 @@
+"""The graph explorer: static SVG and DOT of the current view, text summary, and the live widget.
+
+:class:`GraphExplorer` holds a :class:`GraphData`, its hierarchy and the set of open groups. The
+kernel lays out each view (``process.graph_layout``) and draws it as SVG with every user string
+escaped; the widget shows that SVG, pans and zooms it in the browser and sends clicks back
+(``toggle``/``select``/``search``/``dot``), so the browser never needs Graphviz or a layout engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import traitlets
+
+from torch_nbdebug.data.graph import GraphData
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.process import graph as pg
+from torch_nbdebug.process.graph_details import details, group_label, node_label, search, shape_text
+from torch_nbdebug.process.graph_layout import Layout, layout
+from torch_nbdebug.render.bundle import Displayable
+from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.widget import View, esm_path
+
+CHAR_W = 6.8
+NODE_H = 34.0
+GROUP_H = 42.0
+COLORS = {  # fill, stroke: presentation attributes so the SVG looks right with no CSS
+    "op": ("#eef0f3", "#8c959f"), "param": ("#cfe8fc", "#218bff"), "input": ("#dafbe1", "#2da44e"),
+    "output": ("#a6e3a1", "#1a7f37"), "group": ("#fff8e1", "#bf8700"), "chunk": ("#f6f0ff", "#8250df"),
+    "nan": ("#ffebe9", "#cf222e"),
+}
+
+
+class GraphExplorer(Displayable):
+    """A graph with a current view: ``expand``/``collapse``/``toggle`` groups, ``svg()``, ``dot()``."""
+
+    def __init__(self, data: GraphData, expand: Any = "auto") -> None:
+        self.data = data
+        self.hierarchy = pg.build_hierarchy(data)
+        self.expanded = self._initial(expand)
+        self.selected: Optional[str] = None
+        self._layout: Optional[tuple[frozenset[str], pg.ViewGraph, Layout]] = None
+        self._widget: Optional[GraphWidget] = None
+        self._nan_groups: Optional[frozenset[str]] = None
+        self._svg: Optional[tuple[frozenset[str], Optional[str], str]] = None
+
+    def _initial(self, expand: Any) -> frozenset[str]:
+        if expand == "all":
+            return pg.expand_all(self.hierarchy)
+        if expand == "modules":
+            return pg.expand_modules(self.hierarchy)
+        if expand is None or expand == "auto":
+            return pg.auto_expand(self.hierarchy)
+        if isinstance(expand, (set, frozenset, list, tuple)):
+            opened: set[str] = set()
+            for name in expand:
+                gid = self._known_group(str(name))
+                opened.update([gid, *self.hierarchy.chain(gid)])  # opening a group opens its parents
+            return frozenset(opened)
+        raise InputError(f"expand must be 'auto', 'modules', 'all' or a list of module paths, not {expand!r}")
+
+    def _known_group(self, name: str) -> str:
+        try:
+            return self.group_id(name)
+        except KeyError:
+            tops = [g.path or g.label for gid, g in self.hierarchy.groups.items() if g.parent == pg.ROOT]
+            raise InputError(f"expand: no module {name!r} in this graph; its top-level groups are "
+                             f"{', '.join(tops[:8]) or '(none)'}") from None
+
+    # --- view state -------------------------------------------------------------------------
+    def group_id(self, name: str) -> str:
+        """Accept a group id (``m:model.fc``) or a module path (``model.fc``)."""
+        if name in self.hierarchy.groups:
+            return name
+        gid = pg.module_group_id(name)
+        if gid not in self.hierarchy.groups:
+            raise KeyError(f"no group or module {name!r} in this graph")
+        return gid
+
+    def toggle(self, name: str) -> "GraphExplorer":
+        self.expanded = pg.toggle(self.expanded, self.hierarchy, self.group_id(name))
+        return self
+
+    def expand(self, name: str) -> "GraphExplorer":
+        gid = self.group_id(name)
+        if gid not in self.expanded:
+            self.toggle(gid)
+        return self
+
+    def collapse(self, name: str) -> "GraphExplorer":
+        gid = self.group_id(name)
+        if gid in self.expanded:
+            self.toggle(gid)
+        return self
+
+    def reveal(self, item: str) -> "GraphExplorer":
+        self.expanded = pg.reveal(self.expanded, self.hierarchy, item)
+        self.selected = item
+        return self
+
+    def view(self) -> tuple[pg.ViewGraph, Layout]:
+        """The current view and its layout (cached until the open groups change)."""
+        if self._layout is None or self._layout[0] != self.expanded:
+            vg = pg.view(self.data, self.hierarchy, self.expanded)
+            self._layout = (self.expanded, vg, layout(vg, self._size, self._title_width))
+        return self._layout[1], self._layout[2]
+
+    def shown(self) -> list[str]:
+        """Ids of the items the current view shows (nodes and closed groups)."""
+        vg, _ = self.view()
+        return [i for items in vg.items.values() for i in items if i not in vg.items]
+
+    def nan_groups(self) -> frozenset[str]:
+        """Groups holding the node marked as the first NaN/Inf birth (drawn red when closed)."""
+        if self._nan_groups is None:
+            marked = [n.id for n in self.data.nodes if n.nan]
+            self._nan_groups = frozenset(g for n in marked for g in self.hierarchy.chain(n))
+        return self._nan_groups
+
+    def details(self, item: str) -> dict[str, Any]:
+        return details(self.data, self.hierarchy, item)
+
+    def search(self, text: str) -> list[dict[str, str]]:
+        return search(self.data, self.hierarchy, text)
+
+    # --- labels -----------------------------------------------------------------------------
+    def label(self, item: str) -> tuple[str, str]:
+        """Main line and second line of an item's box."""
+        if item in self.hierarchy.groups:
+            g = self.hierarchy.groups[item]
+            count = f"{g.size:,} node{'' if g.size == 1 else 's'}"
+            sub = f"{g.type_name} · {count}" if g.type_name else count
+            return group_label(self.hierarchy, item), sub
+        node = self.data.node(item)
+        sub = shape_text(node.shape, node.dtype)
+        if node.grad is not None:
+            sub += f" ‖g‖={node.grad.norm:.3g}"
+        return node_label(self.hierarchy, node), sub
+
+    def _size(self, item: str) -> tuple[float, float]:
+        main, sub = self.label(item)
+        marker = 2 if item in self.hierarchy.groups else 0  # the "▸ " before a closed group's name
+        width = min(300.0, max(64.0, CHAR_W * max(len(main) + marker, len(sub)) + 18))
+        return width, GROUP_H if item in self.hierarchy.groups else NODE_H
+
+    def _title_width(self, gid: str) -> float:
+        text = f"▾ {group_label(self.hierarchy, gid)} {self.hierarchy.groups[gid].type_name}"
+        return CHAR_W * len(text) + 24
+
+    # --- output -----------------------------------------------------------------------------
+    def svg(self) -> str:
+        key = (self.expanded, self.selected)
+        if self._svg is None or self._svg[:2] != key:
+            vg, lay = self.view()
+            self._svg = (self.expanded, self.selected, render_svg(self, vg, lay))
+        return self._svg[2]
+
+    def dot(self) -> str:
+        vg, _ = self.view()
+        return render_dot(self, vg)
+
+    def text(self) -> str:
+        vg, _ = self.view()
+        shown = sum(1 for items in vg.items.values() for i in items if i not in vg.items)
+        closed = sum(1 for items in vg.items.values() for i in items if i in self.hierarchy.groups and i not in vg.items)
+        lines = [self.data.summary(), f"view: {shown} items shown, {closed} groups closed"]
+        lines += [f"note: {n}" for n in self.data.notes]
+        marked = [n for n in self.data.nodes if n.nan]
+        if marked:
+            lines.append(f"first NaN/Inf born at {marked[0].label} ({marked[0].module or 'no module'})")
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        notes = "".join(f"<div class='muted'>{esc(n)}</div>" for n in self.data.notes)
+        return (f"{stylesheet()}<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}"
+                f"<div style='max-height:640px;overflow:auto;border:1px solid #d8dee4'>{self.svg()}</div></div>")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain graph plus the current view's open groups (JSON-able)."""
+        return {**self.data.to_dict(), "expanded": sorted(self.expanded)}
+
+    def widget(self) -> "GraphWidget":
+        if self._widget is None:
+            self._widget = GraphWidget(self)
+        return self._widget
+
+
+def _path_d(points: tuple[tuple[float, float], ...]) -> str:
+    """A smooth curve through the route's points, leaving and entering each vertically."""
+    (x0, y0) = points[0]
+    parts = [f"M{x0:.1f},{y0:.1f}"]
+    last = len(points) - 1
+    for k in range(1, len(points)):
+        (x1, y1), (x2, y2) = points[k - 1], points[k]
+        y2 = y2 - 4 if k == last else y2  # room for the arrow head
+        bend = max(8.0, abs(y2 - y1) / 2)
+        parts.append(f"C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} {x2:.1f},{y2:.1f}")
+    return " ".join(parts)
+
+
+def render_svg(ex: GraphExplorer, vg: pg.ViewGraph, lay: Layout) -> str:
+    """The view as one self-contained SVG; ``data-id`` on every clickable element."""
+    m = 8.0
+    w, h = lay.width + 2 * m, lay.height + 2 * m
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' class='tnd-graph-svg' width='{w:.0f}' height='{h:.0f}' "
+           f"viewBox='{-m:.0f} {-m:.0f} {w:.0f} {h:.0f}' font-family='ui-monospace, Menlo, monospace' font-size='11'>",
+           "<defs><marker id='tnd-arrow' viewBox='0 0 8 8' refX='7' refY='4' markerWidth='7' markerHeight='7' "
+           "orient='auto'><path d='M0,0 L8,4 L0,8 z' fill='#57606a'/></marker></defs>"]
+    for box in lay.boxes.values():
+        if box.kind == "cluster":
+            title = group_label(ex.hierarchy, box.id)
+            g = ex.hierarchy.groups[box.id]
+            out.append(f"<g class='cluster' data-id='{esc(box.id)}'><rect x='{box.x:.1f}' y='{box.y:.1f}' "
+                       f"width='{box.w:.1f}' height='{box.h:.1f}' rx='6' fill='#fbfbfc' fill-opacity='0.6' "
+                       f"stroke='#8c959f' stroke-dasharray='4 3'/><text class='title' x='{box.x + 8:.1f}' "
+                       f"y='{box.y + 15:.1f}' font-weight='600' fill='#57606a'>▾ {esc(title)}"
+                       f"<tspan fill='#8c959f' font-weight='400'> {esc(g.type_name)}</tspan></text></g>")
+    for r in lay.routes:
+        width = 1.0 + min(3.0, r.count / 4)
+        out.append(f"<path class='edge' data-src='{esc(r.src)}' data-dst='{esc(r.dst)}' d='{_path_d(r.points)}' "
+                   f"fill='none' stroke='#8c959f' stroke-width='{width:.1f}' marker-end='url(#tnd-arrow)'/>")
+    for box in lay.boxes.values():
+        if box.kind != "cluster":
+            out.append(_item_svg(ex, box.id, box.x, box.y, box.w, box.h))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _item_svg(ex: GraphExplorer, item: str, x: float, y: float, w: float, h: float) -> str:
+    main, sub = ex.label(item)
+    if item in ex.hierarchy.groups:
+        group = ex.hierarchy.groups[item]
+        kind, cls, tip = group.kind if group.kind == "chunk" else "group", "group", group.path or group.label
+        nan = item in ex.nan_groups()
+    else:
+        node = ex.data.node(item)
+        kind, cls, tip, nan = node.kind, f"node {node.kind}", node.label, node.nan
+    fill, stroke = COLORS["nan"] if nan else COLORS[kind]
+    selected = " selected" if item == ex.selected else ""
+    extra = ""
+    if cls == "group":  # a second frame reads as "there is more inside"
+        extra = (f"<rect x='{x + 3:.1f}' y='{y + 3:.1f}' width='{w:.1f}' height='{h:.1f}' rx='5' fill='{fill}' "
+                 f"stroke='{stroke}'/>")
+        main = "▸ " + main
+    return (f"<g class='{cls}{' nan' if nan else ''}{selected}' data-id='{esc(item)}' style='cursor:pointer'>"
+            f"<title>{esc(tip)}</title>{extra}<rect x='{x:.1f}' y='{y:.1f}' width='{w:.1f}' height='{h:.1f}' rx='5' "
+            f"fill='{fill}' stroke='{stroke}' stroke-width='{2.5 if nan or selected else 1}'/>"
+            f"<text x='{x + w / 2:.1f}' y='{y + 14:.1f}' text-anchor='middle' fill='#1f2328'>{esc(_clip(main, w))}</text>"
+            f"<text x='{x + w / 2:.1f}' y='{y + 27:.1f}' text-anchor='middle' fill='#57606a' font-size='10'>"
+            f"{esc(_clip(sub, w))}</text></g>")
+
+
+def _clip(text: str, width: float) -> str:
+    room = max(4, int((width - 10) / CHAR_W))
+    return text if len(text) <= room else text[:room - 1] + "…"
+
+
+def _dot_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def render_dot(ex: GraphExplorer, vg: pg.ViewGraph) -> str:
+    """The current view in Graphviz DOT: open groups as clusters, closed groups as boxes."""
+    lines = ["digraph graph_view {", "  node [shape=box style=filled fontname=monospace fontsize=10];"]
+
+    def emit(container: str, indent: str) -> None:
+        for item in vg.items[container]:
+            if item in vg.items:
+                lines.append(f"{indent}subgraph {_dot_str('cluster_' + item)} {{")
+                lines.append(f"{indent}  label={_dot_str(group_label(ex.hierarchy, item))};")
+                emit(item, indent + "  ")
+                lines.append(f"{indent}}}")
+            else:
+                main, sub = ex.label(item)
+                kind = "group" if item in ex.hierarchy.groups else ex.data.node(item).kind
+                fill = COLORS["chunk" if ex.hierarchy.groups.get(item, None) and ex.hierarchy.groups[item].kind == "chunk"
+                              else kind][0]
+                lines.append(f"{indent}{_dot_str(item)} [label={_dot_str(main + chr(10) + sub)} fillcolor={_dot_str(fill)}];")
+
+    emit(pg.ROOT, "  ")
+    for (a, b), n in vg.edges.items():
+        lines.append(f"  {_dot_str(a)} -> {_dot_str(b)}" + (f" [label={_dot_str(str(n))}];" if n > 1 else ";"))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+class GraphWidget(View):
+    """The live view: the kernel sends SVG, the browser pans/zooms and sends clicks back."""
+
+    _esm = esm_path("graph.js")
+    svg = traitlets.Unicode("").tag(sync=True)
+    summary = traitlets.Unicode("").tag(sync=True)
+    notes = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    details = traitlets.Dict().tag(sync=True)
+    matches = traitlets.List().tag(sync=True)
+    selected = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, explorer: GraphExplorer) -> None:
+        super().__init__()
+        self._explorer = explorer
+        self.summary = explorer.data.summary()
+        self.notes = list(explorer.data.notes)
+        self.refresh()
+        self.on_msg(self._on_message)
+
+    def refresh(self) -> None:
+        self.svg = self._explorer.svg()
+        self.selected = self._explorer.selected or ""
+
+    def _on_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if not isinstance(content, dict):
+            return
+        kind, item = content.get("type"), str(content.get("id", ""))
+        ex = self._explorer
+        if kind == "toggle" and item in ex.hierarchy.groups:
+            ex.toggle(item)
+            self.details = ex.details(item)
+            self.refresh()
+        elif kind == "select" and (item in ex.hierarchy.groups or _has(ex, item)):
+            ex.selected = item
+            self.details = ex.details(item)
+            self.refresh()
+        elif kind == "reveal" and (item in ex.hierarchy.groups or _has(ex, item)):
+            ex.reveal(item)
+            self.details = ex.details(item)
+            self.refresh()
+        elif kind == "search":
+            self.matches = ex.search(str(content.get("q", "")))
+        elif kind == "dot":
+            self.send({"type": "dot", "text": ex.dot()})
+
+
+def _has(ex: GraphExplorer, item: str) -> bool:
+    try:
+        ex.data.node(item)
+        return True
+    except KeyError:
+        return False

@@ -1,0 +1,183 @@
+"""The nanwatch report as text, as self-contained static HTML, and as a live widget.
+
+The card says where (module, cell line), what (op, NaN or Inf, input/output statistics), why and
+the fix (the hint). Below: the cell with the line highlighted, per-layer statistics with the birth
+row marked, and every event. Every user string goes through :func:`esc`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import traitlets
+
+from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
+from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.widget import View, esm_path
+
+_PHASE_LABEL = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "input": "input data"}
+
+
+# -- text ----------------------------------------------------------------------------------------
+def report_text(s: NanSummary, finished: bool = True) -> str:
+    if not finished:
+        return "nanwatch: still running (the report fills in when the watched code ends)"
+    lines = []
+    first = s.first
+    if first is None:
+        lines.append(f"nanwatch: no NaN/Inf born ({s.ops_checked} ops checked, mode={s.mode})")
+    else:
+        lines.append(f"nanwatch: {first.title()}")
+        lines += ["  " + x for x in event_lines(first)]
+        if len(s.events) > 1:
+            lines.append(f"all births ({len(s.events)}):")
+            lines += [f"  {i + 1}. {short(e)}" for i, e in enumerate(s.events)]
+    if s.absorbed:
+        lines.append("thrown away by torch.where/masked_fill (forward stayed finite):")
+        lines += [f"  - {short(e)}" for e in s.absorbed]
+    lines += [f"note: {n}" for n in s.notes]
+    return "\n".join(lines)
+
+
+def event_lines(e: NanEvent) -> list[str]:
+    out = []
+    if e.lineno is not None:
+        out.append(f"line {e.lineno}: {e.line}" if e.line else f"line {e.lineno}")
+    if e.phase == "backward" and e.forward_op:
+        out.append(f"created in forward by {e.forward_op}" + (f" in {e.forward_module}" if e.forward_module else ""))
+    if e.aten_op and e.aten_op != e.op:
+        out.append(f"op: {e.aten_op}")
+    if e.hint:
+        out.append(f"why/fix: {e.hint}")
+    for i, st in enumerate(e.inputs):
+        out.append(f"input {i}: {st.brief()}")
+    if e.output is not None:
+        out.append(f"output: {e.output.brief()}")
+    return out
+
+
+def short(e: NanEvent) -> str:
+    where = " ".join(x for x in (e.module or e.param or "", f"line {e.lineno}" if e.lineno else "") if x)
+    return f"[{e.phase}, iteration {e.iteration}] {e.kind.upper()} {e.op}" + (f" — {where}" if where else "")
+
+
+# -- static HTML ---------------------------------------------------------------------------------
+def report_html(s: NanSummary, finished: bool = True) -> str:
+    if not finished:
+        return f'<div class="tnd">{stylesheet()}<div class="card ok">nanwatch: still running</div></div>'
+    parts = [f'<div class="tnd tnd-nanwatch">{stylesheet()}', card_html(s.first, s)]
+    if s.first is not None and s.cell_source:
+        parts.append(source_html(s))
+    if s.layers:
+        parts.append(layers_html(s.layers))
+    if s.events:
+        parts.append(events_html(s.events, "All births"))
+    if s.absorbed:
+        parts.append(events_html(s.absorbed, "Thrown away by torch.where / masked_fill (forward stayed finite)"))
+    parts += [f'<div class="muted">note: {esc(n)}</div>' for n in s.notes]
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
+    if e is None:
+        return (f'<div class="card ok"><b>nanwatch: no NaN/Inf born</b> '
+                f'<span class="muted">({s.ops_checked} ops checked, mode {esc(s.mode)})</span></div>')
+    rows = [("Where", _where(e)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
+    if e.phase == "backward" and e.forward_op:
+        rows.insert(1, ("Forward", f"created by <code>{esc(e.forward_op)}</code>"
+                        + (f" in <code>{esc(e.forward_module)}</code>" if e.forward_module else "")
+                        + (f" at line {e.forward_lineno}" if e.forward_lineno else "")))
+    stats = "".join(f"<div class='mono'>input {i}: {esc(st.brief())}</div>" for i, st in enumerate(e.inputs))
+    if e.output is not None:
+        stats += f"<div class='mono'>output: {esc(e.output.brief())}</div>"
+    body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    return (f'<div class="card nw-card"><b class="bad nw-title">{esc(e.title())}</b>'
+            f"<table>{body}<tr><th>Stats</th><td>{stats}</td></tr></table></div>")
+
+
+def _where(e: NanEvent) -> str:
+    bits = []
+    if e.module:
+        bits.append(f"<code class='nw-module'>{esc(e.module)}</code>")
+    if e.param:
+        bits.append(f"parameter <code>{esc(e.param)}</code>")
+    if e.lineno is not None:
+        bits.append(f"line {e.lineno}: <code class='nw-line'>{esc(e.line)}</code>")
+    bits.append(f"{esc(_PHASE_LABEL.get(e.phase, e.phase))}, iteration {e.iteration}")
+    return " · ".join(bits)
+
+
+def _what(e: NanEvent) -> str:
+    text = f"<b>{'NaN' if e.kind == 'nan' else 'Inf'}</b> from <code class='nw-op'>{esc(e.op)}</code>"
+    if e.aten_op and e.aten_op != e.op:
+        text += f" (<code>{esc(e.aten_op)}</code>)"
+    if e.detail:
+        text += f" <span class='muted'>{esc(e.detail)}</span>"
+    return text
+
+
+def source_html(s: NanSummary) -> str:
+    target = s.first.lineno if s.first is not None else None
+    out = []
+    for i, text in enumerate(s.cell_source.splitlines(), start=s.source_first_line):
+        cls = "line hl" if i == target else "line"
+        out.append(f'<span class="{cls}"><span class="muted">{i:>3}</span>  {esc(text)}</span>')
+    return f'<pre class="cell nw-source">{"".join(out)}</pre>'
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "" if v is None else f"{v:.4g}"
+
+
+def _cell(finite: Optional[bool], *values: Optional[float]) -> str:
+    if finite is None:
+        return "<td class='muted'>—</td>" * 3
+    if not finite:
+        return "<td class='bad' colspan='3'>NaN/Inf</td>"
+    return "".join(f"<td>{_fmt(v)}</td>" for v in values)
+
+
+def layers_html(layers: tuple[LayerStats, ...]) -> str:
+    head = ("<tr><th>module</th><th>calls</th><th>act min</th><th>act max</th><th>act mean</th>"
+            "<th>grad min</th><th>grad max</th><th>grad mean</th></tr>")
+    rows = []
+    for layer in layers:
+        mark = ' class="mark"' if layer.birth else ""
+        rows.append(f"<tr{mark}><td class='mono'>{esc(layer.module)}{' ◀ birth' if layer.birth else ''}</td>"
+                    f"<td>{layer.calls}</td>{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
+                    f"{_cell(layer.grad_finite, layer.grad_min, layer.grad_max, layer.grad_mean)}</tr>")
+    return f"<h3>Per-layer activations and gradients</h3><table class='nw-layers'>{head}{''.join(rows)}</table>"
+
+
+def events_html(events: tuple[NanEvent, ...], title: str) -> str:
+    head = "<tr><th>#</th><th>phase</th><th>iter</th><th>kind</th><th>op</th><th>module / parameter</th><th>line</th></tr>"
+    rows = [f"<tr><td>{i + 1}</td><td>{esc(e.phase)}</td><td>{e.iteration}</td><td>{esc(e.kind)}</td>"
+            f"<td class='mono'>{esc(e.op)}</td><td class='mono'>{esc(e.module or e.param or '')}</td>"
+            f"<td>{'' if e.lineno is None else e.lineno}</td></tr>" for i, e in enumerate(events)]
+    return f"<h3>{esc(title)}</h3><table class='nw-events'>{head}{''.join(rows)}</table>"
+
+
+# -- widget --------------------------------------------------------------------------------------
+class NanView(View):
+    """Live view: the card, the highlighted cell, the layer table and the event list (click to select)."""
+
+    _esm = esm_path("nanwatch.js")
+    _css = esm_path("base.css")  # the shared look, also in the live view
+    report = traitlets.Dict().tag(sync=True)
+    selected = traitlets.Int(0).tag(sync=True)
+
+    @classmethod
+    def of(cls, summary: NanSummary) -> "NanView":
+        return cls(report=json_safe(summary.to_dict()))
+
+
+def json_safe(value: Any) -> Any:
+    """Replace NaN/Inf floats (not valid JSON) by strings, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -1,0 +1,217 @@
+// Gradient stepper: flow plot + layers×steps heatmap overview, per-layer detail with histograms.
+// Plain ES module (no bundler, no CDN). Numbers arrive as float32 bytes; `layer`, `step` and
+// `log_scale` are synced both ways so Python can drive the view and read where the user is.
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function floats(view) {
+  if (!view || !view.byteLength) return new Float32Array(0);
+  const buf = view.buffer ? view.buffer : view;
+  const off = view.byteOffset || 0;
+  return new Float32Array(buf.slice(off, off + view.byteLength));
+}
+
+function fmt(v, approx) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "—";
+  const a = Math.abs(v);
+  let t;
+  if (!Number.isFinite(v)) t = v > 0 ? "inf" : "-inf";
+  else if (a >= 1e-3 || v === 0) t = String(Number(v.toPrecision(3)));
+  else t = v.toExponential(2).replace(/\.?0+e/, "e");
+  return (approx ? "≈" : "") + t;
+}
+
+function h(tag, attrs, ...kids) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "style") el.style.cssText = v;
+    else el.setAttribute(k, v);
+  }
+  for (const kid of kids) el.append(kid);
+  return el;
+}
+
+function s(tag, attrs) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
+  return el;
+}
+
+function render({ model, el }) {
+  const meta = model.get("meta");
+  const F = Object.fromEntries(meta.fields.map((f, i) => [f, i]));
+  const nS = meta.steps.length, nP = meta.params.length, nL = meta.layers.length, nF = meta.fields.length;
+  const B = meta.bins, nA = meta.act_fields.length;
+  const stats = floats(model.get("stats"));
+  const flow = floats(model.get("flow"));
+  const hist = floats(model.get("hist"));
+  const range = floats(model.get("hist_range"));
+  const acts = floats(model.get("acts"));
+  const stat = (st, p, f) => stats[(st * nP + p) * nF + F[f]];
+  const flowAt = (st, l, k) => flow[(st * nL + l) * 4 + k];
+  const flagsAt = (st) => meta.flags.filter((f) => f[2] === st);
+
+  const root = h("div", { class: "tnd tnd-grads", tabindex: "0", style: "outline:none" });
+  const title = h("h3", {});
+  const flowBox = h("div", { class: "tnd-flow-box", style: "overflow-x:auto" });
+  const heatBox = h("div", { class: "tnd-heat-box" });
+  const prevL = h("button", { class: "tnd-prev", title: "previous layer (←)" }, "◀");
+  const nextL = h("button", { class: "tnd-next", title: "next layer (→)" }, "▶");
+  const sliderL = h("input", { type: "range", min: "0", max: String(Math.max(nL - 1, 0)), class: "tnd-layer-slider" });
+  const layerLabel = h("span", { class: "tnd-layer-name mono" });
+  const prevS = h("button", { class: "tnd-prev-step", title: "previous step (↓)" }, "◀");
+  const nextS = h("button", { class: "tnd-next-step", title: "next step (↑)" }, "▶");
+  const sliderS = h("input", { type: "range", min: "0", max: String(Math.max(nS - 1, 0)), class: "tnd-step-slider" });
+  const stepLabel = h("span", { class: "tnd-step-name" });
+  const logBox = h("input", { type: "checkbox", class: "tnd-log" });
+  const detail = h("div", { class: "tnd-detail card ok" });
+  const stepRow = h("div", { style: nS > 1 ? "" : "display:none" }, "step ", prevS, sliderS, nextS, " ", stepLabel);
+  root.append(title, flowBox, heatBox,
+    h("div", {}, "layer ", prevL, sliderL, nextL, " ", layerLabel, "  ", h("label", {}, logBox, " log counts")),
+    stepRow, detail,
+    ...meta.notes.map((n) => h("p", { class: "muted" }, n)));
+  el.append(root);
+
+  const clamp = (v, n) => Math.max(0, Math.min(n - 1, v));
+  const setLayer = (l) => { model.set("layer", clamp(l, nL)); model.save_changes(); };
+  const setStep = (st) => { model.set("step", clamp(st, nS)); model.save_changes(); };
+
+  function drawFlow(st, cur) {
+    const w = Math.max(8, Math.min(40, Math.floor(640 / Math.max(nL, 1)))), H = 140, left = 44;
+    const vals = [];
+    for (let l = 0; l < nL; l++) for (const k of [1, 2]) { const v = flowAt(st, l, k); if (v > 0 && isFinite(v)) vals.push(v); }
+    let lo = vals.length ? Math.floor(Math.log10(Math.min(...vals))) : -8;
+    let hi = vals.length ? Math.ceil(Math.log10(Math.max(...vals))) : 0;
+    if (hi <= lo) hi = lo + 1;
+    const y = (v) => (v > 0 && isFinite(v)) ? H - (Math.log10(v) - lo) / (hi - lo) * H + 6 : H + 6;
+    const svg = s("svg", { width: left + nL * w + 10, height: H + 22, class: "tnd-flow" });
+    for (let e = lo; e <= hi; e++) {
+      svg.append(s("line", { x1: left, x2: left + nL * w, y1: y(10 ** e), y2: y(10 ** e), stroke: "#eaeef2" }));
+      const t = s("text", { x: left - 4, y: y(10 ** e) + 4, "font-size": 10, "text-anchor": "end" });
+      t.textContent = "1e" + e; svg.append(t);
+    }
+    const flagged = {};
+    for (const f of flagsAt(st)) if (!(f[1] in flagged)) flagged[f[1]] = f;
+    for (let l = 0; l < nL; l++) {
+      const x = left + l * w;
+      const colour = flagged[l] ? meta.colours[flagged[l][0]] : "#1f6feb";
+      const g = s("g", { class: "tnd-flow-layer", "data-layer": l, style: "cursor:pointer" });
+      g.append(s("rect", { x, y: 0, width: w, height: H + 20, fill: l === cur ? "#fff8c5" : "transparent" }));
+      [[flowAt(st, l, 2), 0.35], [flowAt(st, l, 1), 1]].forEach(([v, op]) => {
+        if (v > 0 && isFinite(v)) g.append(s("rect", { x: x + 2, y: y(v), width: w - 4, height: H + 6 - y(v), fill: colour, "fill-opacity": op }));
+      });
+      const tip = s("title", {});
+      tip.textContent = `${meta.layers[l].name}: mean |g| ${fmt(flowAt(st, l, 1))}, max |g| ${fmt(flowAt(st, l, 2))}` +
+        (flagged[l] ? `; ${flagged[l][0]}: ${flagged[l][3]}` : "");
+      g.append(tip);
+      g.addEventListener("click", () => setLayer(l));
+      svg.append(g);
+    }
+    flowBox.replaceChildren(h("div", { class: "muted" }, "gradient flow: mean |g| (dark) and max |g| (light) per layer, log scale; click a layer"), svg);
+  }
+
+  function drawHeat(st, cur) {
+    if (nS < 2) return;
+    const cw = Math.max(2, Math.min(40, Math.floor(640 / nS))), ch = Math.max(4, Math.min(20, Math.floor(240 / nL)));
+    const canvas = h("canvas", { width: nS * cw, height: nL * ch, class: "tnd-heatmap", style: "border:1px solid #d0d7de;cursor:pointer" });
+    const ctx = canvas.getContext("2d");
+    let lo = Infinity, hi = -Infinity;
+    for (let t = 0; t < nS; t++) for (let l = 0; l < nL; l++) { const v = flowAt(t, l, 0); if (v > 0 && isFinite(v)) { lo = Math.min(lo, Math.log10(v)); hi = Math.max(hi, Math.log10(v)); } }
+    const stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+    for (let t = 0; t < nS; t++) for (let l = 0; l < nL; l++) {
+      const v = flowAt(t, l, 0);
+      if (!(v > 0 && isFinite(v))) { ctx.fillStyle = isNaN(v) ? "#fff" : "#cf222e"; ctx.fillRect(t * cw, l * ch, cw, ch); continue; }
+      const p = (hi > lo ? (Math.log10(v) - lo) / (hi - lo) : 0.5) * (stops.length - 1);
+      const i = Math.min(Math.floor(p), stops.length - 2), f = p - i;
+      const c = stops[i].map((a, k) => Math.round(a * (1 - f) + stops[i + 1][k] * f));
+      ctx.fillStyle = `rgb(${c})`; ctx.fillRect(t * cw, l * ch, cw, ch);
+    }
+    ctx.strokeStyle = "#cf222e"; ctx.strokeRect(st * cw + 0.5, cur * ch + 0.5, cw - 1, ch - 1);
+    canvas.addEventListener("click", (e) => {
+      const r = canvas.getBoundingClientRect();
+      setStep(Math.floor((e.clientX - r.left) / r.width * nS));
+      setLayer(Math.floor((e.clientY - r.top) / r.height * nL));
+    });
+    heatBox.replaceChildren(h("div", { class: "muted" }, `gradient norm, layers × steps (log colour; 1e${lo.toFixed(1)}…1e${hi.toFixed(1)}); click a cell`), canvas);
+  }
+
+  function histSvg(row, p, log) {
+    const W = 256, H = 70, off = (row * nP + p) * B;
+    const counts = Array.from(hist.subarray(off, off + B)).map((c) => (log ? Math.log10(c + 1) : c));
+    const top = Math.max(...counts, 1e-12), bw = W / B;
+    const svg = s("svg", { width: W, height: H + 14, class: "tnd-hist", "data-param": meta.params[p].name });
+    counts.forEach((c, i) => { if (c > 0) svg.append(s("rect", { x: i * bw, y: H - c / top * H, width: Math.max(bw - 0.5, 0.5), height: c / top * H, fill: "#1f6feb" })); });
+    const lo = range[(row * nP + p) * 2], hi = range[(row * nP + p) * 2 + 1];
+    const a = s("text", { x: 0, y: H + 12, "font-size": 10 }); a.textContent = fmt(lo);
+    const b = s("text", { x: W, y: H + 12, "font-size": 10, "text-anchor": "end" }); b.textContent = fmt(hi);
+    svg.append(a, b);
+    return svg;
+  }
+
+  function drawDetail(st, l, log) {
+    const layer = meta.layers[l];
+    const kids = [h("b", { class: "mono" }, layer.name), ` (${layer.kind}) — layer ${l + 1} of ${nL}`];
+    for (const f of flagsAt(st).filter((f) => f[1] === l)) kids.push(h("div", { class: "tnd-flag", style: `color:${meta.colours[f[0]]}` }, `${f[0]}: ${f[3]}`));
+    const row = meta.hist_rows.indexOf(st);
+    for (const p of layer.params) {
+      const info = meta.params[p], ex = meta.exact[st][p] === 1;
+      const v = (f) => stat(st, p, f);
+      const cells = stat(st, p, "has_grad") > 0
+        ? [["norm", fmt(v("norm"))], ["mean", fmt(v("mean"))], ["std", fmt(v("std"))], ["max |g|", fmt(v("max_abs"))],
+           ["zeros", fmt(v("zeros"), !ex)], ["NaN", fmt(v("nan"), !ex)], ["Inf", fmt(v("inf"), !ex)],
+           ["‖w‖", fmt(v("param_norm"))], ["‖Δw‖/‖w‖", fmt(v("update_ratio"), !ex)]]
+        : [["gradient", info.requires_grad ? "none" : "frozen (requires_grad=False)"], ["‖w‖", fmt(v("param_norm"))]];
+      const table = h("table", { class: "tnd-stats" }, h("tr", {}, ...cells.map(([k]) => h("th", {}, k))), h("tr", {}, ...cells.map(([, x]) => h("td", {}, x))));
+      const block = h("div", { class: "tnd-param" }, h("div", { class: "mono" }, `${info.short} [${info.shape.join(", ")}] ${info.dtype}`), table);
+      if (row >= 0 && !Number.isNaN(range[(row * nP + p) * 2])) block.append(histSvg(row, p, log));
+      else block.append(h("div", { class: "muted" }, "no histogram kept for this step"));
+      kids.push(block);
+    }
+    if (acts.length) {
+      const a = meta.act_fields.map((k, i) => [k, acts[(st * nL + l) * nA + i]]).filter(([, x]) => !Number.isNaN(x));
+      if (a.length) kids.push(h("div", { class: "tnd-acts" }, "activations: " + a.map(([k, x]) => `${k} ${fmt(x)}`).join(", ")));
+    }
+    detail.replaceChildren(...kids);
+  }
+
+  function redraw() {
+    const l = clamp(model.get("layer"), nL), st = clamp(model.get("step"), nS), log = model.get("log_scale");
+    const kind = { snapshot: "current .grad", optimizer: "optimizer steps", backward: "backward passes" }[meta.step_kind];
+    title.textContent = `gradients of ${meta.model}: ${nL} layers in ${meta.order} order — ${kind}`;
+    sliderL.value = String(l); sliderS.value = String(st); logBox.checked = log;
+    layerLabel.textContent = `${l + 1}/${nL} ${meta.layers[l].name}`;
+    stepLabel.textContent = `step ${meta.steps[st]} (${st + 1}/${nS})`;
+    prevL.disabled = l === 0; nextL.disabled = l === nL - 1; prevS.disabled = st === 0; nextS.disabled = st === nS - 1;
+    if (!nS) { detail.replaceChildren("nothing recorded"); return; }
+    drawFlow(st, l); drawHeat(st, l); drawDetail(st, l, log);
+  }
+
+  prevL.addEventListener("click", () => setLayer(model.get("layer") - 1));
+  nextL.addEventListener("click", () => setLayer(model.get("layer") + 1));
+  prevS.addEventListener("click", () => setStep(model.get("step") - 1));
+  nextS.addEventListener("click", () => setStep(model.get("step") + 1));
+  sliderL.addEventListener("input", () => setLayer(Number(sliderL.value)));
+  sliderS.addEventListener("input", () => setStep(Number(sliderS.value)));
+  logBox.addEventListener("change", () => { model.set("log_scale", logBox.checked); model.save_changes(); });
+  const onKey = (e) => {
+    const moves = { ArrowLeft: [-1, 0], ArrowRight: [1, 0], ArrowDown: [0, -1], ArrowUp: [0, 1] }[e.key];
+    if (!moves || e.target.tagName === "INPUT") return;
+    e.preventDefault(); e.stopPropagation(); // keep JupyterLab from moving between cells
+    if (moves[0]) setLayer(model.get("layer") + moves[0]);
+    if (moves[1]) setStep(model.get("step") + moves[1]);
+  };
+  root.addEventListener("keydown", onKey);
+  model.on("change:layer", redraw);
+  model.on("change:step", redraw);
+  model.on("change:log_scale", redraw);
+  redraw();
+  return () => {
+    model.off("change:layer", redraw);
+    model.off("change:step", redraw);
+    model.off("change:log_scale", redraw);
+    root.removeEventListener("keydown", onKey);
+  };
+}
+
+export default { render };

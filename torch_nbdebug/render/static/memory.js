@@ -1,0 +1,255 @@
+// torch_nbdebug memory views (plain ES module: no bundler, no CDN).
+// Timeline: the kernel holds the full series; we set `x_range` and draw the decimated `view` it sends.
+const NS = "http://www.w3.org/2000/svg";
+const W = 760, H = 260, L = 64, R = 12, T = 18, B = 28;
+
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "-";
+  let v = Math.abs(n); const sign = n < 0 ? "-" : "";
+  for (const u of ["B", "KiB", "MiB", "GiB"]) {
+    if (v < 1024 || u === "GiB") return sign + (u === "B" ? v.toFixed(0) : v.toFixed(1)) + " " + u;
+    v /= 1024;
+  }
+}
+function svg(tag, attrs, parent) {
+  const e = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (parent) parent.appendChild(e);
+  return e;
+}
+function html(tag, attrs, parent, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;  // textContent: user strings are never parsed as HTML
+  if (parent) parent.appendChild(e);
+  return e;
+}
+function shape(a) { return a.dtype ? `${a.dtype}[${a.shape.join(", ")}]` : "(allocator block)"; }
+function where(l) {  // notebook cells are compiled from temporary files whose names mean nothing to users
+  const cell = l.filename.includes("ipykernel_") || l.filename.startsWith("<ipython-input");
+  return (cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`) + (l.text ? `: ${l.text}` : "");
+}
+function lineOf(a) { return a.line ? where(a.line) : ""; }
+
+function allocTable(parent, allocs, labels, cats, detail) {
+  const table = html("table", {}, parent);
+  const head = html("tr", {}, table);
+  for (const h of ["bytes", "tensor", "category", "held by", "module", "line"]) html("th", {}, head, h);
+  for (const a of allocs) {
+    const tr = html("tr", { class: "alloc" }, table);
+    html("td", {}, tr, fmtBytes(a.nbytes));
+    html("td", { class: "mono" }, tr, shape(a));
+    html("td", {}, tr, labels[cats.indexOf(a.category)] || a.category);
+    html("td", { class: "mono" }, tr, a.holder || "");
+    html("td", { class: "mono" }, tr, a.module || "");
+    html("td", { class: "mono" }, tr, lineOf(a));
+    tr.addEventListener("mouseenter", () => {
+      tr.classList.add("hl");
+      detail.textContent = `${fmtBytes(a.nbytes)} ${shape(a)} · ${a.category} · op ${a.op || "-"} · phase ${a.phase}` +
+        ` · module ${a.module || "-"} · alive events ${a.start}–${a.end === null ? "end" : a.end}` +
+        (a.line ? ` · ${lineOf(a)}` : "");
+    });
+    tr.addEventListener("mouseleave", () => tr.classList.remove("hl"));
+  }
+}
+
+function renderTimeline(model, el) {
+  const meta = model.get("meta");
+  const root = html("div", { class: "tnd tnd-memory-widget" }, el);
+  html("h3", {}, root, meta.title);
+  if (meta.note) html("div", { class: "warn" }, root, meta.note);
+  const bar = html("div", { class: "toolbar" }, root);
+  const buttons = {};
+  for (const [name, label] of [["out", "− zoom out"], ["in", "+ zoom in"], ["left", "◀"], ["right", "▶"],
+                               ["peak", "peak"], ["reset", "reset"]]) {
+    buttons[name] = html("button", { "data-action": name }, bar, label);
+  }
+  const rangeLabel = html("span", { class: "range muted" }, bar);
+  const chart = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-size": 10,
+                             "font-family": "sans-serif", class: "chart" }, root);
+  const tip = html("div", { class: "mono tip" }, root, " ");
+  tip.style.minHeight = "1.4em";
+  const legend = html("div", { class: "muted" }, root);
+  meta.labels.forEach((label, i) => {
+    const s = html("span", {}, legend); s.style.marginRight = "10px";
+    const sw = html("span", {}, s); Object.assign(sw.style, { display: "inline-block", width: "10px", height: "10px", background: meta.colors[i] });
+    s.appendChild(document.createTextNode(" " + label));
+  });
+  for (const [p, c] of Object.entries(meta.phase_colors)) {
+    const s = html("span", {}, legend); s.style.marginRight = "10px";
+    const sw = html("span", {}, s); Object.assign(sw.style, { display: "inline-block", width: "10px", height: "10px", background: c, border: "1px solid #ccc" });
+    s.appendChild(document.createTextNode(" " + p));
+  }
+  html("h3", {}, root, "Largest allocations alive at the highest point of the visible range");
+  const detail = html("div", { class: "mono muted detail" }, root, "hover a row for details");
+  const tableBox = html("div", {}, root);
+  const leakBox = html("div", {}, root);
+  for (const leak of meta.leaks) {
+    const card = html("div", { class: "card" }, leakBox);
+    html("b", { class: "mono" }, card, leak.holder);
+    card.appendChild(document.createTextNode(` holds ${leak.count} tensor(s), ${fmtBytes(leak.nbytes)}` +
+      (leak.has_graph ? " — autograd graph attached" : "")));
+    if (leak.line) html("div", { class: "mono" }, card, `allocated at ${where(leak.line)}`);
+    if (leak.note) html("div", {}, card, leak.note);
+  }
+
+  const n = meta.n;
+  const setRange = (lo, hi) => {
+    lo = Math.max(0, Math.round(lo)); hi = Math.min(n - 1, Math.round(hi));
+    if (hi - lo < 2) { const mid = (lo + hi) / 2; lo = Math.max(0, Math.floor(mid - 1)); hi = Math.min(n - 1, lo + 2); }
+    model.set("x_range", [lo, hi]); model.save_changes();
+  };
+  const current = () => model.get("x_range");
+  buttons.in.onclick = () => { const [lo, hi] = current(); const q = (hi - lo) / 4; setRange(lo + q, hi - q); };
+  buttons.out.onclick = () => { const [lo, hi] = current(); const h = (hi - lo); setRange(lo - h / 2, hi + h / 2); };
+  buttons.left.onclick = () => { const [lo, hi] = current(); const s = Math.min(lo, (hi - lo) / 2); setRange(lo - s, hi - s); };
+  buttons.right.onclick = () => { const [lo, hi] = current(); const s = Math.min(n - 1 - hi, (hi - lo) / 2); setRange(lo + s, hi + s); };
+  buttons.reset.onclick = () => setRange(0, n - 1);
+  buttons.peak.onclick = () => { const w = Math.max(20, (n - 1) / 20); setRange(meta.peak.step - w, meta.peak.step + w); };
+
+  let scale = null;
+  function draw() {
+    const v = model.get("view");
+    chart.replaceChildren();
+    if (!v || !v.steps) return;
+    const lo = v.lo, hi = v.hi;
+    root.setAttribute("data-lo", lo); root.setAttribute("data-hi", hi);
+    rangeLabel.textContent = ` events ${lo}–${hi} of ${n - 1} (${v.steps.length} points drawn)`;
+    let ymax = 1;
+    for (let k = 0; k < v.steps.length; k++) {
+      let s = 0; for (const col of v.series) s += col[k];
+      if (s > ymax) ymax = s;
+      if (v.reserved && v.reserved[k] > ymax) ymax = v.reserved[k];
+    }
+    ymax *= 1.08;
+    const sx = (s) => L + (W - L - R) * ((s - lo) / Math.max(hi - lo, 1));
+    const sy = (b) => T + (H - T - B) * (1 - b / ymax);
+    scale = { lo, hi, sx, sy };
+    let lastIter = null;
+    const ticks = [];
+    for (const p of v.phases) {
+      const x0 = Math.max(L, sx(p.start - 1)), x1 = Math.min(W - R, sx(p.end));
+      if (lastIter !== null && p.iteration !== lastIter && x0 > L) ticks.push([x0, p.iteration]);  // new iteration
+      lastIter = p.iteration;
+      if (x1 <= x0) continue;
+      const r = svg("rect", { x: x0, y: T, width: Math.max(x1 - x0, 0.5), height: H - T - B, fill: meta.phase_colors[p.phase] || "#eee" }, chart);
+      svg("title", {}, r).textContent = `${p.phase} (iteration ${p.iteration})`;
+    }
+    const upper = v.steps.map(() => 0);
+    v.series.forEach((col, c) => {
+      if (!col.some((x) => x)) return;
+      const lower = upper.slice();
+      col.forEach((x, k) => { upper[k] += x; });
+      const pts = v.steps.map((s, k) => `${sx(s).toFixed(1)},${sy(upper[k]).toFixed(1)}`);
+      for (let k = v.steps.length - 1; k >= 0; k--) pts.push(`${sx(v.steps[k]).toFixed(1)},${sy(lower[k]).toFixed(1)}`);
+      svg("polygon", { points: pts.join(" "), fill: meta.colors[c], "fill-opacity": 0.85, "data-category": meta.categories[c] }, chart);
+    });
+    for (const [x, it] of ticks) {
+      const tick = svg("line", { x1: x, x2: x, y1: T, y2: H - B, stroke: "#57606a", "stroke-dasharray": "2 3", class: "iteration" }, chart);
+      svg("title", {}, tick).textContent = `iteration ${it}`;
+    }
+    if (v.reserved) {
+      svg("polyline", { points: v.steps.map((s, k) => `${sx(s).toFixed(1)},${sy(v.reserved[k]).toFixed(1)}`).join(" "),
+                        fill: "none", stroke: "#24292f", "stroke-dasharray": "4 2" }, chart);
+    }
+    svg("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, stroke: "#57606a" }, chart);
+    svg("line", { x1: L, x2: L, y1: T, y2: H - B, stroke: "#57606a" }, chart);
+    for (let k = 0; k <= 4; k++) {
+      const b = ymax / 1.08 * k / 4;
+      svg("text", { x: L - 4, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = fmtBytes(b);
+      const s = Math.round(lo + (hi - lo) * k / 4);
+      svg("text", { x: sx(s), y: H - B + 12, "text-anchor": "middle", fill: "#57606a", class: "xtick" }, chart).textContent = s;
+    }
+    if (meta.peak.step >= lo && meta.peak.step <= hi) {
+      const px = sx(meta.peak.step);
+      svg("line", { x1: px, x2: px, y1: T, y2: H - B, stroke: "#cf222e" }, chart);
+      svg("text", { x: Math.min(px + 4, W - 120), y: T - 4, fill: "#cf222e" }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
+    }
+    svg("line", { class: "cursor", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
+    svg("rect", { class: "brush", x: 0, y: T, width: 0, height: H - T - B, fill: "#0969da", "fill-opacity": 0.15 }, chart);
+    tableBox.replaceChildren();
+    allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, detail);
+  }
+
+  const toStep = (evt) => {
+    const box = chart.getBoundingClientRect();
+    const x = (evt.clientX - box.left) * (W / box.width);
+    return { x, step: scale.lo + (x - L) / (W - L - R) * (scale.hi - scale.lo) };
+  };
+  let dragFrom = null;
+  const onDown = (evt) => { if (scale) { dragFrom = toStep(evt); evt.preventDefault(); } };
+  const onMove = (evt) => {
+    if (!scale) return;
+    const { x, step } = toStep(evt);
+    const v = model.get("view");
+    let k = 0, hiK = v.steps.length - 1;
+    while (k < hiK) { const m = (k + hiK) >> 1; if (v.steps[m] < step) k = m + 1; else hiK = m; }
+    const cur = chart.querySelector(".cursor");
+    cur.setAttribute("x1", scale.sx(v.steps[k])); cur.setAttribute("x2", scale.sx(v.steps[k]));
+    const parts = v.series.map((col, c) => col[k] ? `${meta.labels[c]} ${fmtBytes(col[k])}` : null).filter(Boolean);
+    const total = v.series.reduce((s, col) => s + col[k], 0);
+    const phase = v.phases.find((p) => p.start - 1 <= v.steps[k] && v.steps[k] <= p.end);
+    tip.textContent = `event ${v.steps[k]} · t=${v.time_s[k].toFixed(4)} s · total ${fmtBytes(total)}` +
+      (v.reserved ? ` · reserved ${fmtBytes(v.reserved[k])}` : "") + (phase ? ` · ${phase.phase} (iteration ${phase.iteration})` : "") +
+      (parts.length ? " · " + parts.join(", ") : "");
+    if (dragFrom) {
+      const brush = chart.querySelector(".brush");
+      brush.setAttribute("x", Math.min(dragFrom.x, x)); brush.setAttribute("width", Math.abs(x - dragFrom.x));
+    }
+  };
+  const onUp = (evt) => {
+    if (!dragFrom || !scale) return;
+    const { step } = toStep(evt);
+    const a = Math.min(dragFrom.step, step), b = Math.max(dragFrom.step, step);
+    dragFrom = null;
+    if (b - a >= 2) setRange(a, b); else draw();
+  };
+  chart.addEventListener("mousedown", onDown);
+  chart.addEventListener("mousemove", onMove);
+  window.addEventListener("mouseup", onUp);
+  model.on("change:view", draw);
+  draw();
+  return () => { model.off("change:view", draw); window.removeEventListener("mouseup", onUp); };
+}
+
+function renderState(model, el) {
+  const meta = model.get("meta");
+  const st = meta.state;
+  const root = html("div", { class: "tnd tnd-memory-state" }, el);
+  html("h3", {}, root, meta.title);
+  if (meta.note) html("div", { class: "warn" }, root, meta.note);
+  const bar = html("div", {}, root);
+  Object.assign(bar.style, { display: "flex", height: "16px", width: "600px", border: "1px solid #d0d7de" });
+  const tip = html("div", { class: "mono muted" }, root, "hover the bar or a row");
+  const total = Math.max(st.live_bytes, 1);
+  meta.categories.forEach((c, i) => {
+    const v = st.by_category[c] || 0;
+    if (!v) return;
+    const seg = html("div", { "data-category": c }, bar);
+    Object.assign(seg.style, { width: `${(100 * v) / total}%`, background: meta.colors[i] });
+    seg.addEventListener("mouseenter", () => { tip.textContent = `${meta.labels[i]}: ${fmtBytes(v)} (${(100 * v / total).toFixed(1)}%)`; });
+  });
+  const filter = html("input", { placeholder: "filter by name", type: "search" }, root);
+  const table = html("table", {}, root);
+  const fill = () => {
+    table.replaceChildren();
+    const head = html("tr", {}, table);
+    for (const h of ["bytes", "tensor", "category", "held by", "graph"]) html("th", {}, head, h);
+    for (const t of st.top.filter((t) => t.name.includes(filter.value))) {
+      const tr = html("tr", {}, table);
+      html("td", {}, tr, fmtBytes(t.nbytes)); html("td", { class: "mono" }, tr, shape(t));
+      html("td", {}, tr, meta.labels[meta.categories.indexOf(t.category)]); html("td", { class: "mono" }, tr, t.name);
+      html("td", {}, tr, t.has_graph ? "yes" : "");
+      tr.addEventListener("mouseenter", () => { tip.textContent = `${t.name}: ${fmtBytes(t.nbytes)} ${shape(t)} on ${t.device}`; });
+    }
+  };
+  filter.addEventListener("input", fill);
+  fill();
+  return () => filter.removeEventListener("input", fill);
+}
+
+export default {
+  render({ model, el }) {
+    return model.get("meta").kind === "state" ? renderState(model, el) : renderTimeline(model, el);
+  },
+};

@@ -1,0 +1,128 @@
+// nanwatch view: the birth card, the cell with its line highlighted, per-layer statistics with the
+// birth row marked, and every event (click one to show it in the card). Plain ES module, no deps.
+
+const PHASE = { forward: "forward", backward: "backward", optimizer: "optimizer step", input: "input data" };
+
+function h(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c))); // text nodes: never HTML
+  }
+  return node;
+}
+
+const fmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" ? Number(v.toPrecision(4)).toString() : String(v));
+
+function brief(s) {
+  if (!s) return "";
+  let t = `${s.dtype}[${s.shape.join(", ")}]`;
+  if (s.note) return `${t} (${s.note})`;
+  if (s.min !== null && s.max !== null) t += ` min=${fmt(s.min)} max=${fmt(s.max)}`;
+  if (s.nan) t += ` nan=${s.nan}`;
+  if (s.inf) t += ` inf=${s.inf}`;
+  return t;
+}
+
+function card(e, report) {
+  if (!e) {
+    return h("div", { class: "card ok nw-card" }, h("b", {}, "nanwatch: no NaN/Inf born"),
+      h("span", { class: "muted" }, ` (${report.ops_checked} ops checked, mode ${report.mode})`));
+  }
+  const where = [];
+  if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
+  if (e.param) where.push("parameter ", h("code", {}, e.param), " · ");
+  if (e.lineno !== null) where.push(`line ${e.lineno}: `, h("code", { class: "nw-line" }, e.line || ""), " · ");
+  where.push(`${PHASE[e.phase] || e.phase}, iteration ${e.iteration}`);
+  const what = [h("b", {}, e.kind === "nan" ? "NaN" : "Inf"), " from ", h("code", { class: "nw-op" }, e.op)];
+  if (e.aten_op && e.aten_op !== e.op) what.push(" (", h("code", {}, e.aten_op), ")");
+  if (e.detail) what.push(" ", h("span", { class: "muted" }, e.detail));
+  const rows = [["Where", where], ["What", what]];
+  if (e.phase === "backward" && e.forward_op) {
+    rows.push(["Forward", ["created by ", h("code", {}, e.forward_op),
+      e.forward_module ? [" in ", h("code", {}, e.forward_module)] : "",
+      e.forward_lineno ? ` at line ${e.forward_lineno}` : ""]]);
+  }
+  rows.push(["Why / fix", h("span", { class: "nw-hint" }, e.hint)]);
+  const stats = e.inputs.map((s, i) => h("div", { class: "mono" }, `input ${i}: ${brief(s)}`));
+  if (e.output) stats.push(h("div", { class: "mono" }, `output: ${brief(e.output)}`));
+  rows.push(["Stats", stats]);
+  return h("div", { class: "card nw-card" }, h("b", { class: "bad nw-title" }, e.title),
+    h("table", {}, rows.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
+}
+
+function source(report, e) {
+  if (!e) return null;
+  // The selected event's own cell/file when known, else the first event's cell.
+  const own = e.filename && report.sources ? report.sources[e.filename] : null;
+  const src = own || { text: report.cell_source, first_line: report.source_first_line };
+  if (!src.text) return null;
+  const same = !!own || !e.filename || e.filename === report.cell_filename;
+  const lines = src.text.split("\n");
+  return h("pre", { class: "cell nw-source" }, lines.map((text, i) => {
+    const n = i + src.first_line;
+    const hl = same && n === e.lineno;
+    return h("span", { class: hl ? "line hl" : "line", "data-line": String(n) },
+      h("span", { class: "muted" }, String(n).padStart(3, " ")), "  ", text);
+  }));
+}
+
+function statCells(finite, values) {
+  if (finite === null || finite === undefined) return values.map(() => h("td", { class: "muted" }, "—"));
+  if (!finite) return [h("td", { class: "bad", colspan: "3" }, "NaN/Inf")];
+  return values.map((v) => h("td", {}, fmt(v)));
+}
+
+function layers(report, e) {
+  if (!report.layers.length) return null;
+  const target = e ? e.module : null;
+  const head = h("tr", {}, ["module", "calls", "act min", "act max", "act mean", "grad min", "grad max", "grad mean"]
+    .map((c) => h("th", {}, c)));
+  const rows = report.layers.map((l) => h("tr", { class: l.module === target ? "mark" : "" },
+    h("td", { class: "mono" }, l.module, l.module === target ? " ◀ birth" : ""), h("td", {}, String(l.calls)),
+    statCells(l.fwd_finite, [l.fwd_min, l.fwd_max, l.fwd_mean]),
+    statCells(l.grad_finite, [l.grad_min, l.grad_max, l.grad_mean])));
+  return [h("h3", {}, "Per-layer activations and gradients"), h("table", { class: "nw-layers" }, head, rows)];
+}
+
+function events(report, selected, select) {
+  if (!report.events.length) return null;
+  const head = h("tr", {}, ["#", "phase", "iter", "kind", "op", "module / parameter", "line"].map((c) => h("th", {}, c)));
+  const rows = report.events.map((e, i) => h("tr", {
+    class: i === selected ? "mark nw-event" : "nw-event", style: "cursor: pointer", title: "show in the card",
+    onclick: () => select(i),
+  }, [String(i + 1), e.phase, String(e.iteration), e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
+    .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : "" }, String(c)))));
+  return [h("h3", {}, `All births (${report.events.length})`), h("table", { class: "nw-events" }, head, rows)];
+}
+
+export default {
+  render({ model, el }) {
+    const root = h("div", { class: "tnd tnd-nanwatch" });
+    el.append(root);
+    const draw = () => {
+      const report = model.get("report") || { events: [], absorbed: [], layers: [], notes: [] };
+      const n = report.events.length;
+      const selected = Math.min(Math.max(model.get("selected") || 0, 0), Math.max(n - 1, 0));
+      const e = n ? report.events[selected] : null;
+      const select = (i) => { model.set("selected", i); model.save_changes(); };
+      root.replaceChildren(...[card(e, report), source(report, e), layers(report, e), events(report, selected, select),
+        report.absorbed.length ? h("div", { class: "muted" },
+          "Thrown away by torch.where / masked_fill (forward stayed finite): ",
+          report.absorbed.map((a) => `${a.op} at line ${a.lineno}`).join("; ")) : null,
+        ...report.notes.map((t) => h("div", { class: "muted" }, `note: ${t}`))].flat().filter(Boolean));
+    };
+    draw();
+    model.on("change:report", draw);
+    model.on("change:selected", draw);
+    return () => {
+      model.off("change:report", draw);
+      model.off("change:selected", draw);
+    };
+  },
+};
