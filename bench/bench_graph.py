@@ -18,12 +18,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from timing import clock, interleave
 
 torch.set_num_threads(1)
 DOT = shutil.which("graphviz-pure", path=os.path.dirname(sys.executable)) or shutil.which("dot")
@@ -88,21 +89,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-def median_of(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Run the functions interleaved ``repeat`` times; the median seconds of each."""
-    runs: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            runs[k].append(timed(fn)[0])
-    return {k: statistics.median(v) for k, v in runs.items()}
-
-
 def torchviz_svg(tensor: torch.Tensor) -> Optional[str]:
     """torchviz's picture: make_dot + a dot layout to SVG (graphviz-pure, no system Graphviz)."""
     from torchviz import make_dot
@@ -152,7 +138,7 @@ def bench_gpt(ip: Any, layers: int, repeat: int) -> None:
         "plain forward (anchor)": lambda: F.cross_entropy(model(idx).view(-1, 64), idx.view(-1)),
         "torchviz make_dot + dot": lambda: torchviz_svg(ip.user_ns["loss"]),
     }
-    t = median_of(fns, repeat)
+    t = interleave(fns, repeat).median_walls()
     g = ip.run_cell_magic("graph", "-o", cell)
     w = g.widget()
     block = "m:model.h.7"
@@ -166,7 +152,7 @@ def bench_gpt(ip: Any, layers: int, repeat: int) -> None:
 
     opens = []
     for _ in range(repeat):
-        opens.append(timed(expand_two)[0] / 2)
+        opens.append(clock(expand_two)[0].wall / 2)
         collapse()
     t["expand one module (per click)"] = statistics.median(opens)
     for k, v in t.items():
@@ -189,18 +175,25 @@ def bench_chain(ip: Any, n: int, repeat: int) -> None:
         viz = "ok"
     except RecursionError:
         viz = "RecursionError"
-    t = median_of({"first view": lambda: first_view(ip, "-o y")}, repeat)["first view"]
+    t = interleave({"first view": lambda: first_view(ip, "-o y")}, repeat).median_wall("first view")
     print(f"{n:,}-layer chain: first view {t * 1000:.1f} ms (target <= 2000 ms: {'OK' if t <= 2 else 'MISSED'}); "
           f"torchviz make_dot: {viz}")
 
 
-def bench_huge(ip: Any, n: int) -> None:
+def bench_huge(ip: Any, n: int, chains: int = 5) -> None:
+    # Several chains, not one: PyTorch itself overflows the C stack freeing a single chain deeper
+    # than ~30,000 nodes once Python has walked its next_functions (torchviz triggers it too).
     x = torch.randn(2, requires_grad=True)
-    y = x
-    for _ in range(n):
-        y = y * 1.0001
+    ends = []
+    for c in range(chains):
+        y = x
+        for _ in range(n // chains):
+            y = y * 1.0001
+        ends.append(y)
+    y = torch.stack(ends).sum()
     ip.user_ns.update(x=x, y=y)
-    t, g = timed(lambda: first_view(ip, "-o y"))
+    sample, g = clock(lambda: first_view(ip, "-o y"))
+    t = sample.wall
     print(f"{n:,} nodes: first view {t:.2f} s, {len(g.shown())} items shown; message: {g.data.notes[-1]!r}")
 
 
@@ -210,7 +203,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--chain", type=int, default=5000)
     parser.add_argument("--huge", type=int, default=100_000)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, for ./dev bench")
     args = parser.parse_args()
+    if args.quick:
+        args.repeat = min(args.repeat, 2)
     print(f"torch {torch.__version__}, dot: {DOT or 'none (torchviz timed without layout)'}")
     ip = shell()
     bench_gpt(ip, args.layers, args.repeat)

@@ -14,7 +14,6 @@ repeat, one thread, medians printed with ratios to the plain step. Target: memor
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -24,73 +23,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import GPT, lm_loss, training_step  # noqa: E402
+from timing import Timings, clock  # noqa: E402
 from torch_nbdebug.api.memory import memory_timeline  # noqa: E402
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm causal self-attention + 4x GELU MLP, as in GPT-2."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.fc_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.attn(self.ln_1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = ((q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads))
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor,
+              target: torch.Tensor) -> Callable[[], None]:
+    return lambda: training_step(opt, lambda: lm_loss(model, idx, target))
 
 
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def make_step(model: nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        logits = model(idx)
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
-        loss.backward()
-        opt.step()
-    return step
-
-
-def time_plain(step: Callable[[], None]) -> dict[str, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
-    step()
-    return {"total": time.perf_counter() - t0, "cpu": time.process_time() - c0}
-
-
-def time_ours(step: Callable[[], None], ns: dict[str, Any], record_lines: bool = True) -> dict[str, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
+def recorded(step: Callable[[], None], ns: dict[str, Any], record_lines: bool = True) -> Any:
+    """The step under memory_timeline; leaving the block builds the timeline (peak, categories, leaks)."""
     with memory_timeline(ns, device="cpu", record_lines=record_lines) as tl:
         step()
-    total = time.perf_counter() - t0  # recording + building the timeline (peak, categories, leaks)
-    cpu = time.process_time() - c0
-    t1 = time.perf_counter()
-    tl.html()
-    return {"total": total, "cpu": cpu, "render": time.perf_counter() - t1, "events": float(len(tl.steps) - 1)}
+    return tl
 
 
 def line_cost(step: Callable[[], None], ns: dict[str, Any]) -> tuple[int, float]:
@@ -110,25 +59,23 @@ def line_cost(step: Callable[[], None], ns: dict[str, Any]) -> tuple[int, float]
 
     MemoryRecorder._user_line = timed  # type: ignore[method-assign]
     try:
-        with memory_timeline(ns, device="cpu"):
-            step()
+        recorded(step, ns)
     finally:
         MemoryRecorder._user_line = original  # type: ignore[method-assign]
     return calls[0], spent[0]
 
 
-def time_profiler(step: Callable[[], None]) -> dict[str, float]:
+def profiled(step: Callable[[], None]) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    t0, c0 = time.perf_counter(), time.process_time()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         step()
-    stepped, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return prof
+
+
+def export_seconds(prof: Any) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        t1 = time.perf_counter()
-        prof.export_memory_timeline(os.path.join(tmp, "mem.json"), device="cpu")
-        export = time.perf_counter() - t1
-    return {"total": stepped, "cpu": cpu, "export": export}
+        return clock(lambda: prof.export_memory_timeline(os.path.join(tmp, "mem.json"), device="cpu"))[0].wall
 
 
 def main() -> None:
@@ -157,37 +104,37 @@ def main() -> None:
     print(f"GPT-like: {layers} blocks, d=768, {n_params / 1e6:.1f}M params, batch {args.batch}, seq {args.seq}, "
           f"1 thread, {repeats} interleaved repeats (medians)")
     step()  # warm-up: Adam state, allocator, lazy init
-    time_ours(step, ns)
-    runs: dict[str, list[dict[str, float]]] = {"plain": [], "memory_timeline": [], "no lines": [], "profiler": []}
+    recorded(step, ns).html()  # warm-up of the recorder and the renderer too
+    timings = Timings(["plain", "memory_timeline", "no lines", "profiler"])
+    renders, events, exports = [], [], []
     for r in range(repeats):
-        runs["plain"].append(time_plain(step))
-        runs["memory_timeline"].append(time_ours(step, ns))
+        timings.time("plain", step)
+        tl = timings.time("memory_timeline", lambda: recorded(step, ns))
+        renders.append(clock(tl.html)[0].wall)  # the static SVG, timed apart from the step
+        events.append(len(tl.steps) - 1)
         if args.lines_cost:
-            runs["no lines"].append(time_ours(step, ns, record_lines=False))
+            timings.time("no lines", lambda: recorded(step, ns, record_lines=False))
         if not args.no_profiler:
-            runs["profiler"].append(time_profiler(step))
-        print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]['total']:.3f}s" for k, v in runs.items() if v),
-              flush=True)
-    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items() if v}
-    plain, plain_cpu = med["plain"]["total"], med["plain"]["cpu"]
-    ours = med["memory_timeline"]
+            exports.append(export_seconds(timings.time("profiler", lambda: profiled(step))))
+        print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1].wall:.3f}s" for k, v in timings.samples.items()
+                                                         if v), flush=True)
+    plain, plain_cpu = timings.median_wall("plain"), timings.median_cpu("plain")
+    ours, ours_cpu = timings.median_wall("memory_timeline"), timings.median_cpu("memory_timeline")
     print("(wall = elapsed seconds; cpu = this process's CPU seconds, less sensitive to other load on the machine)")
     print(f"plain step                          wall {plain:.3f} s   cpu {plain_cpu:.3f} s")
-    print(f"memory_timeline (record + build)    wall {ours['total']:.3f} s   ratio {ours['total'] / plain:.2f}x; "
-          f"cpu ratio {ours['cpu'] / plain_cpu:.2f}x (target <= 1.3x); {int(ours['events'])} events; "
-          f"static SVG render {ours['render']:.3f} s")
-    if "no lines" in med:
-        bare = med["no lines"]
+    print(f"memory_timeline (record + build)    wall {ours:.3f} s   ratio {ours / plain:.2f}x; "
+          f"cpu ratio {ours_cpu / plain_cpu:.2f}x (target <= 1.3x); {int(statistics.median(events))} events; "
+          f"static SVG render {statistics.median(renders):.3f} s")
+    if timings.repeats("no lines"):
         calls, spent = line_cost(step, ns)
-        print(f"memory_timeline(record_lines=False)  cpu ratio {bare['cpu'] / plain_cpu:.2f}x; source lines, timed "
-              f"inside the recorder: {calls} lookups, {spent * 1e6 / max(calls, 1):.2f} us each, "
+        print(f"memory_timeline(record_lines=False)  cpu ratio {timings.median_cpu('no lines') / plain_cpu:.2f}x; "
+              f"source lines, timed inside the recorder: {calls} lookups, {spent * 1e6 / max(calls, 1):.2f} us each, "
               f"{spent * 1000:.1f} ms per step")
-    if "profiler" in med:
-        prof = med["profiler"]
-        print(f"torch.profiler(profile_memory)      wall {prof['total']:.3f} s   ratio {prof['total'] / plain:.2f}x; "
-              f"cpu ratio {prof['cpu'] / plain_cpu:.2f}x; export_memory_timeline {prof['export']:.3f} s; "
-              f"with export {(prof['total'] + prof['export']) / plain:.2f}x")
-
+    if timings.repeats("profiler"):
+        prof, export = timings.median_wall("profiler"), statistics.median(exports)
+        print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   ratio {prof / plain:.2f}x; "
+              f"cpu ratio {timings.median_cpu('profiler') / plain_cpu:.2f}x; export_memory_timeline {export:.3f} s; "
+              f"with export {(prof + export) / plain:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -27,8 +27,8 @@ print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}, p
 PY
 
 status=0
-# Time limits add up to 170 s, so the whole check ends within 3 minutes.
-for entry in "gpu_nanwatch.py 90" "gpu_memory.py 80"; do
+# Time limits add up to 175 s, so the whole check ends within 3 minutes.
+for entry in "gpu_nanwatch.py 75" "gpu_memory.py 100"; do
     set -- $entry
     script="bench/$1" limit="$2"
     echo "===== $script (limit ${limit}s) ====="

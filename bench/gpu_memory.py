@@ -22,12 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import GPT, lm_loss, mlp, training_step  # noqa: E402
+from timing import interleave  # noqa: E402
 
 MIB = 1 << 20
 FAILED: list[str] = []
@@ -48,8 +50,6 @@ def block(nbytes: int) -> int:
 
 
 def correctness() -> None:
-    from torch import nn
-
     from torch_nbdebug import memory_timeline
 
     with memory_timeline({}, device="cuda") as tl:
@@ -75,7 +75,7 @@ def correctness() -> None:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None, clear_history=True)
 
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)).cuda()
+    model = mlp(256, 512, 10).cuda()
     opt = torch.optim.Adam(model.parameters())
     inp = torch.randn(64, 256, device="cuda")
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,16 +102,7 @@ def correctness() -> None:
     print(tl3.text().splitlines()[0])
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def overhead(layers: int, repeats: int, budget_s: float = 30.0) -> None:
-    from bench_memory import GPT, make_step
     from torch.profiler import ProfilerActivity, profile
 
     from torch_nbdebug import memory_timeline
@@ -120,7 +111,10 @@ def overhead(layers: int, repeats: int, budget_s: float = 30.0) -> None:
     model = GPT(8192, 768, layers, 12, 256).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     idx = torch.randint(0, 8192, (8, 256), device="cuda")
-    step = make_step(model, opt, idx, idx)
+
+    def step() -> None:
+        training_step(opt, lambda: lm_loss(model, idx, idx))
+
     ns = {"model": model, "opt": opt, "idx": idx}
 
     def ours() -> None:
@@ -144,27 +138,21 @@ def overhead(layers: int, repeats: int, budget_s: float = 30.0) -> None:
         last_profile[:] = [prof]
 
     variants = {"plain": step, "memory_timeline": ours, "history only": history_only, "profiler": profiler}
-    for fn in variants.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    start = time.perf_counter()
-    for r in range(repeats):
-        for name, fn in variants.items():
-            times[name].append(timed(fn))
-        if time.perf_counter() - start > budget_s:  # gpu_check.sh gives this script 80 s in all
-            print(f"  (stopped after {r + 1} repeat(s) to stay within the time budget)")
-            break
+    timings = interleave(variants, repeats, warmup=1, sync=torch.cuda.synchronize,
+                         budget_s=budget_s)  # gpu_check.sh gives this script 80 s in all
+    if timings.repeats("plain") < repeats:
+        print(f"  (stopped after {timings.repeats('plain')} repeat(s) to stay within the time budget)")
     export_times: list[float] = []
     if last_profile:  # the profiler's memory timeline is slow to build: timed once, on the last run
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             last_profile[0].export_memory_timeline(os.path.join(tmp, "m.json"), device="cuda:0")
             export_times.append(time.perf_counter() - t0)
-    plain = statistics.median(times["plain"])
+    plain = timings.median_wall("plain")
     print(f"GPT-like {layers} blocks d=768 batch 8 seq 256 on {torch.cuda.get_device_name(0)}; "
           f"medians of {repeats} interleaved repeats")
-    for name, ts in times.items():
-        med = statistics.median(ts)
+    for name in variants:
+        med = timings.median_wall(name)
         print(f"  {name:<18} {med * 1000:9.1f} ms   {med / plain:5.2f}x")
     if export_times:
         print(f"  profiler export_memory_timeline: {statistics.median(export_times):.2f} s (not in the ratio above)")

@@ -11,11 +11,11 @@
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +23,20 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nanwatch import GPT, watchers  # noqa: E402
+from bench_nanwatch import watchers  # noqa: E402
+from models import GPT, lm_loss, training_step  # noqa: E402
+from timing import interleave  # noqa: E402
 from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
 
 
-class LogBlock(nn.Module):
+class LogBlock(nn.Sequential):
+    """A linear layer, then log: its negative outputs make NaN in this module's own forward."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
+        super().__init__(nn.Linear(16, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(self.fc(x))
+        return torch.log(super().forward(x))
 
 
 def check_births(dev: str) -> list[str]:
@@ -88,24 +91,15 @@ def time_steps(dev: str, repeats: int, batch: int, seq: int) -> dict[str, float]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     idx = torch.randint(0, 8192, (batch, seq), device=dev)
     modes = watchers({"model": model, "opt": opt})
-    times: dict[str, list[float]] = {m: [] for m in modes}
 
-    def step(mode: str) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with modes[mode]():
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
-            opt.step()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+    def step(mode: str) -> Callable[[], None]:
+        def watched() -> None:
+            with modes[mode]():
+                training_step(opt, lambda: lm_loss(model, idx[:, :-1], idx[:, 1:]))
+        return watched
 
-    for mode in modes:
-        step(mode)
-    for r in range(repeats):
-        for mode in (list(modes) if r % 2 == 0 else list(reversed(modes))):
-            times[mode].append(step(mode))
-    return {m: statistics.median(v) for m, v in times.items()}
+    timings = interleave({m: step(m) for m in modes}, repeats, warmup=1, alternate=True, sync=torch.cuda.synchronize)
+    return timings.median_walls()
 
 
 def main() -> int:

@@ -276,3 +276,11 @@ def test_a_real_nanwatch_report_opens_the_stepper_where_the_inf_was_born(monkeyp
     report = grads(net)
     assert report.start_layer == 1
     assert report.widget().layer == 1
+
+
+def test_unused_embedding_rows_are_not_dead_units() -> None:
+    model = nn.Sequential(nn.Embedding(100, 4), nn.Linear(4, 1))
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    report = grads(model)
+    assert report.layer(0).param("weight").dead_units == 97
+    assert not report.flags_at()

@@ -310,3 +310,15 @@ def test_additive_mask_made_before_the_watch_is_not_input_data() -> None:
     with nanwatch() as report:
         model(data)
     assert report.first.phase == "input"
+
+
+def test_where_trap_with_sqrt_of_negatives() -> None:
+    x = torch.tensor([-1.0, 4.0], requires_grad=True)
+    with nanwatch() as report:
+        y = torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # @sqrt-where
+        y.sum().backward()
+    assert torch.isnan(x.grad[0]) and torch.isfinite(y).all()
+    first = report.first
+    assert (first.phase, first.op, first.forward_op, first.kind) == ("backward", "SqrtBackward0", "aten.sqrt.default", "nan")
+    assert first.lineno == line("# @sqrt-where") and "torch.where" in first.hint
+    assert [e.op for e in report.absorbed] == ["aten.sqrt.default"]

@@ -238,3 +238,13 @@ def test_deferred_raise_happens_at_the_module_boundary() -> None:
     assert info.value.event.op == "aten.log.default" and info.value.event.module == "model.1"
     assert info.value.event.lineno == main_line("# @log-birth") and "why/fix" in str(info.value)
     assert global_hook_counts() == before
+
+
+def test_deferred_where_trap_still_reports_the_backward_birth() -> None:
+    x = torch.tensor([0.0, 1.0], requires_grad=True)
+    with nanwatch(defer=True) as report:
+        y = torch.where(x > 0, torch.log(x), torch.zeros_like(x))  # @deferred-where
+        y.sum().backward()
+    ops_seen = [(e.phase, e.op) for e in report.events]
+    assert ("backward", "LogBackward0") in ops_seen
+    assert all(e.lineno == line("# @deferred-where") for e in report.events)

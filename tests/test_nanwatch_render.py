@@ -111,3 +111,11 @@ def test_report_never_holds_tensors() -> None:
 
     walk(report.to_dict())
     walk(list(vars(report).values()))
+
+
+def test_loss_over_only_ignored_targets_gets_its_own_hint() -> None:
+    logits = torch.randn(3, 5)
+    target = torch.full((3,), -100)
+    with nanwatch() as report:
+        torch.nn.functional.cross_entropy(logits, target)
+    assert report.first.op == "aten.nll_loss_forward.default" and "ignore_index" in report.first.hint

@@ -179,8 +179,8 @@ with torch_nbdebug.memory_timeline() as leaky:
 for leak in leaky.leaks:
     print(f"{leak.holder}: {leak.count} tensors, {leak.nbytes / 2**20:.1f} MiB, graph attached: {leak.has_graph}")
     print("   ", leak.note)
-holders = {leak.holder for leak in leaky.leaks}
-assert "val_losses_again" in holders and all(leak.has_graph for leak in leaky.leaks)
+held = {leak.holder: leak for leak in leaky.leaks}
+assert "val_losses_again" in held and held["val_losses_again"].has_graph
 assert sum(leak.nbytes for leak in leaky.leaks) > 4 * 128 * 1024 * 4  # at least the saved activations
 
 # %% [markdown]

@@ -77,6 +77,15 @@ _JS_KERNEL_READY = """(path) => {""" + _FIND + """
 """
 _JS_RUN_ALL = """(path) => {""" + _FIND + """
   const w = findPanel(path);
+  // Remember a crash even if the kernel is back to idle before the next poll.
+  const trouble = (window.__tndKernelTrouble = window.__tndKernelTrouble || {});
+  trouble[path] = null;
+  const changed = (window.__tndStatusAt = window.__tndStatusAt || {});
+  changed[path] = Date.now();
+  w.sessionContext.statusChanged.connect((_, status) => {
+    changed[path] = Date.now();
+    if (['dead', 'restarting', 'autorestarting'].includes(status)) trouble[path] = status;
+  });
   window.jupyterapp.shell.activateById(w.id);
   // Same command as the menu's Run > Run All Cells; not awaited, the caller polls for the end.
   void window.jupyterapp.commands.execute('notebook:run-all-cells');
@@ -109,7 +118,18 @@ _JS_RUN_STATE = """(path) => {""" + _FIND + """
   const busy = Array.from(w.node.querySelectorAll('.jp-InputArea-prompt'))
     .some((p) => p.textContent.includes('*'));
   const done = status === 'idle' && !busy && (missing === 0 || errors.length > 0);
-  return {done, status, busy, missing, errors};
+  const crashed = (window.__tndKernelTrouble || {})[path] || null;
+  return {done, status, busy, missing, errors, crashed};
+}
+"""
+# Widget updates from a click go to the kernel as comm messages, and ipywidgets holds back all but
+# one until the kernel answers: a cell run right after a click could overtake them. So a cell is
+# only appended once the kernel has been idle, with no status change, for half a second.
+_JS_KERNEL_SETTLED = """(path) => {""" + _FIND + """
+  const w = findPanel(path);
+  const k = w.sessionContext.session && w.sessionContext.session.kernel;
+  const at = (window.__tndStatusAt || {})[path] || 0;
+  return !!k && k.status === 'idle' && Date.now() - at > 500;
 }
 """
 _JS_APPEND_AND_RUN = """([path, source]) => {""" + _FIND + """
@@ -139,7 +159,6 @@ _JS_CELL_STATE = """([path, index]) => {""" + _FIND + """
 }
 """
 
-_KERNEL_GONE = {"dead", "restarting", "autorestarting", "terminating"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -187,6 +206,8 @@ class Lab:
 
         For checking the kernel's side after clicking in a widget (e.g. a trait synced back)."""
         path = self._paths[id(page)]
+        page.wait_for_timeout(500)  # let a click's comm message reach the kernel and make it busy
+        self._wait(page, _JS_KERNEL_SETTLED, path, KERNEL_READY_S, f"{path}: widget messages to settle")
         index = int(page.evaluate(_JS_APPEND_AND_RUN, [path, source]))
         deadline = time.monotonic() + timeout
         while True:
@@ -269,9 +290,9 @@ class Lab:
             state = page.evaluate(_JS_RUN_STATE, filename)
             if state["done"]:
                 return state
-            if state.get("status") in _KERNEL_GONE:  # crashed (e.g. out of memory): fail now
+            if state["crashed"]:  # e.g. out of memory: fail now, not after the timeout
                 self.screenshot(page, f"KERNEL-{Path(filename).stem}")
-                raise AssertionError(f"{filename}: the kernel died while running ({state['status']});"
+                raise AssertionError(f"{filename}: the kernel died while running ({state['crashed']});"
                                      f" server log:\n{self.server.log_tail()}")
             page.wait_for_timeout(300)  # let the page work between polls
         self.screenshot(page, f"TIMEOUT-{Path(filename).stem}")

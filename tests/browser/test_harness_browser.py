@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import nbformat
 import pytest
@@ -80,6 +81,13 @@ def test_cell_error_is_reported_with_its_traceback(lab) -> None:
     page = lab.pages[-1]
     expect(lab.output(page, 1)).to_contain_text("ZeroDivisionError")
     assert lab.output_text(page, 2) == ""
+
+
+def test_kernel_crash_fails_fast(lab) -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="the kernel died while running"):
+        lab.run_notebook(["import os", "os._exit(1)", "print('never')"], name="harness_crash")
+    assert time.monotonic() - start < 120  # not the 900 s run timeout
 
 
 def test_open_notebook_runs_afresh(lab, tmp_path) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
-from torch_nbdebug.data.grads import Flag, GradTrace, LayerGrads, LayerInfo
+from torch_nbdebug.data.grads import Flag, GradTrace, LayerGrads
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.grads import Thresholds, layer_for_module, step_flags, trace_flags
 from torch_nbdebug.record.grads import GradRecorder, exact_rows, layers_of
@@ -40,8 +40,9 @@ class GradReport(Displayable):
 
     # -- data access -----------------------------------------------------------------------
     @property
-    def layers(self) -> tuple[LayerInfo, ...]:
-        return self.trace.layers
+    def layers(self) -> tuple[str, ...]:
+        """Layer names in forward order (``trace.layers`` has the full :class:`LayerInfo`)."""
+        return self.trace.layer_names
 
     @property
     def layer_names(self) -> tuple[str, ...]:

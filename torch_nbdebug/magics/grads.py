@@ -53,6 +53,7 @@ class GradsMagics(Magics):
                                          sample=args.sample, activations=args.activations)
         except InputError as exc:
             raise usage_errors(exc) from None
+        shown = None
         try:
             with recording:
                 run_body(self.shell, body)

@@ -5,11 +5,11 @@ import ast
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from torch_nbdebug.api.nanwatch import NanReport, nanwatch
+from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.magics._common import parse_args, require_body, run_body, usage_errors
 
@@ -29,15 +29,19 @@ class NanwatchMagics(Magics):
     @argument("-o", dest="return_report", action="store_true",
               help="return the report object (it is also stored as _nanwatch)")
     @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _nanwatch)")
-    @cell_magic
+    @line_cell_magic
     def nanwatch(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell and report where the first NaN/Inf was born: the op, module and line of yours.
 
-        Watches forward ops, the backward pass and optimizer steps. The report is displayed (also
-        when the cell raises; your exception is re-raised unchanged) and stored as ``_nanwatch``.
+        ``%%nanwatch [options]`` on the first line of a cell watches forward ops, the backward pass
+        and optimizer steps while the cell runs. The report is displayed (also when the cell
+        raises; your exception is re-raised unchanged) and stored as ``_nanwatch``.
+        ``%nanwatch`` on a line of its own shows the last report again (``-o`` returns it).
         Python twin: ``with torch_nbdebug.nanwatch(mode=..., raise_on_birth=...) as report:``.
         """
         args = parse_args(self.nanwatch, line)
+        if cell is None:
+            return self._show_last(args)
         body = require_body(cell, "nanwatch")
         _check_syntax(self.shell, body)
         try:
@@ -59,6 +63,16 @@ class NanwatchMagics(Magics):
         if value is not None:
             display(value)
         return report if args.return_report else None
+
+    def _show_last(self, args: Any) -> Any:
+        report = last_report()
+        if report is None:
+            raise UsageError("%nanwatch: no report yet. Put %%nanwatch (two %) on the first line of a cell "
+                             "to run that cell under the watch")
+        if args.return_report:
+            return report
+        display(report)
+        return None
 
 
 def _check_syntax(shell: Any, body: str) -> None:

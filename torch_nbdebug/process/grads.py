@@ -146,7 +146,9 @@ def _param_finding(trace: GradTrace, step: int, p: int, limits: Thresholds) -> O
         return "dead", (f"all {info.numel} gradient values of {short} are zero (dead units, e.g. a ReLU that "
                         "never fires, or an output that does not reach the loss)")
     dead, units = s[FIELD["dead_units"]], info.units
-    if units and np.isfinite(dead) and dead >= limits.dead_units * units:
+    # An embedding's all-zero rows are tokens absent from the batch, not dead units.
+    sparse_rows = "Embedding" in trace.layers[info.layer].kind
+    if units and not sparse_rows and np.isfinite(dead) and dead >= limits.dead_units * units:
         return "dead", f"{int(dead)} of {units} units of {short} (rows) have an all-zero gradient (dead ReLU units?)"
     return None
 

@@ -95,6 +95,13 @@ def _forward_hint(name: str, event: NanEvent) -> str:
                 "scaled_dot_product_attention", "_scaled_dot_product_efficient_attention"):
         return ("softmax over a row that is entirely -inf (fully masked) gives NaN: make sure every row keeps "
                 "at least one unmasked position, or use a large negative number instead of -inf.")
+    if name in ("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "cross_entropy", "nll_loss_nd") \
+            and event.kind == "nan":
+        return ("The loss averaged over zero targets (0/0): every target in the batch equals ignore_index, or "
+                "the batch is empty. Skip such batches or use reduction='sum'.")
+    if name in ("native_layer_norm", "native_batch_norm", "native_group_norm") and not half:
+        return ("Normalisation overflowed: the inputs are so large that their squares pass the dtype's maximum. "
+                "Scale them down earlier (a smaller init, a lower learning rate) or normalise in float32.")
     if event.kind == "nan" and any(s.inf for s in ins):
         return "inf - inf or 0 * inf gives NaN: an earlier infinity met another one here; remove the infinity upstream."
     if half:

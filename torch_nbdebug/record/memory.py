@@ -5,10 +5,14 @@ allocation (bytes counted once per storage, however many views share it). A weak
 callback on the storage's Python object tells us when it is freed: PyTorch keeps that object alive
 exactly as long as the storage, so the callback fires at the real free and keeps nothing alive.
 
-Categories come from what PyTorch tells us along the way: a saved-tensors pack hook marks
-activations saved for backward, the ``AccumulateGrad`` node marks gradients, optimizer step hooks
-mark parameters, gradients and optimizer state; anything else allocated inside forward, backward
-or the optimizer step is a temporary, and the rest is "other". Tensors alive before recording are
+Categories come from what PyTorch tells us along the way: the ``AccumulateGrad`` node marks
+gradients, optimizer step hooks mark parameters, gradients and optimizer state; anything else
+allocated inside forward, backward or the optimizer step is a temporary, and the rest is "other".
+Activations saved for backward are the forward allocations that join the autograd graph and are
+still alive when the backward starts (or when recording stops): everything else made in forward
+was freed as a temporary. We deliberately do not install saved-tensors hooks to see them: such
+hooks switch off autograd's "modified by an inplace operation" check, which would change the
+user's program. Tensors alive before recording are
 found with the garbage collector and counted from the start.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch_nbdebug.data.source import SourceLine
 from torch_nbdebug.record.memory_holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import Saved, builds_graph, is_input_storage, tensors_in, unpack
+from torch_nbdebug.record.memory_ops import builds_graph, is_input_storage, tensors_in
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.source import is_user_code, line_of
 
@@ -49,7 +53,7 @@ class _Record:
     """Mutable bookkeeping for one allocation while recording (frozen into an Allocation at stop)."""
 
     __slots__ = ("nbytes", "shape", "dtype", "category", "phase", "module", "line", "op", "device",
-                 "start", "end", "key", "address")
+                 "start", "end", "key", "address", "in_graph")
 
     def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: str, category: int, phase: int,
                  module: Optional[str], line: Optional[SourceLine], op: str, device: str, start: int,
@@ -59,6 +63,7 @@ class _Record:
         self.end: Optional[int] = None
         self.key = key
         self.address = 0
+        self.in_graph = False  # made by an op that extends the autograd graph
 
 
 class _AllocationMode(TorchDispatchMode):
@@ -92,6 +97,7 @@ class MemoryRecorder:
         self._phases: list[int] = []
         self._iterations: list[int] = []
         self._in_optimizer = 0
+        self._forward_pending = False  # graph-building forward allocations not yet classified
         self._last_phase = IDLE
         self._line_cache: dict[tuple[types.CodeType, int], SourceLine] = {}
         self._exits: list[Any] = []
@@ -124,9 +130,6 @@ class MemoryRecorder:
         self._exits.append(pre.remove)
         post = register_optimizer_step_post_hook(self._on_step_post)
         self._exits.append(post.remove)
-        saved = torch.autograd.graph.saved_tensors_hooks(self._on_saved, unpack)
-        saved.__enter__()
-        self._exits.append(lambda: saved.__exit__(None, None, None))
         mode = _AllocationMode(self)
         mode.__enter__()
         self._exits.append(lambda: mode.__exit__(None, None, None))
@@ -203,6 +206,9 @@ class MemoryRecorder:
                 line = self._user_line() if self.record_lines else None
                 alloc_id = self._track(tensor, key, category, phase, func.__name__, None,
                                        self._tracker.current, line)
+                if graph_inputs and phase == FORWARD:
+                    self._records[alloc_id].in_graph = True
+                    self._forward_pending = True
             if node is not None and type(node).__name__ == "AccumulateGrad":
                 self._classify(alloc_id, GRAD)
 
@@ -245,10 +251,21 @@ class MemoryRecorder:
         if self._in_optimizer:
             return OPTIMIZER
         if node is not None:
+            if self._forward_pending:
+                self._promote_saved()
             return BACKWARD
         if self._tracker.stack or graph_inputs:
             return FORWARD
         return IDLE
+
+    def _promote_saved(self) -> None:
+        """Forward allocations of the graph still alive now (backward starts, or recording stops)
+        are what autograd saved for backward (or graph outputs): activations, not temporaries."""
+        self._forward_pending = False
+        for alloc_id in self._live.values():
+            record = self._records[alloc_id]
+            if record.in_graph and record.category == TEMP:
+                record.category = ACT
 
     def _classify(self, alloc_id: int, category: int) -> None:
         record = self._records[alloc_id]
@@ -282,13 +299,6 @@ class MemoryRecorder:
         for param in module._parameters.values():
             self._classify_tensor(param, PARAM)
 
-    def _on_saved(self, tensor: torch.Tensor) -> "Saved":
-        key = storage_key(tensor)
-        alloc_id = self._live.get(key) if key is not None else None
-        if alloc_id is not None:
-            self._classify(alloc_id, ACT)
-        return Saved(tensor)
-
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer += 1
         self._optimizers.add(optimizer)
@@ -308,6 +318,8 @@ class MemoryRecorder:
     def _finish(self) -> MemoryRecording:
         """Classify what survived by the model/optimizer state, name holders, freeze the data."""
         duration = (time.perf_counter_ns() - self._t0) / 1e9
+        if self._forward_pending:
+            self._promote_saved()
         kinds = persistent_keys(*self._state_owners())
         holders = find_holders(self.namespace, on_new=self._adopt_unseen)
         allocations = tuple(self._freeze(i, r, kinds, holders) for i, r in enumerate(self._records))

@@ -17,7 +17,7 @@ import torch
 
 from torch_nbdebug.data.memory import PHASES, Allocation, MemoryRecording
 from torch_nbdebug.data.source import SourceLine
-from torch_nbdebug.record.source import _classify, line_of
+from torch_nbdebug.record.source import is_user_file, line_of
 
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 DEFAULT_MAX_ENTRIES = 2_000_000
@@ -220,6 +220,6 @@ def _user_frame(frames: list[dict[str, Any]]) -> Optional[SourceLine]:
     """The innermost user frame of an allocator stack (innermost first, as PyTorch stores them)."""
     for f in frames:
         filename = str(f.get("filename", ""))
-        if filename and filename != "??" and _classify(filename):
+        if filename and filename != "??" and is_user_file(filename):
             return line_of(filename, int(f.get("line", 0)), str(f.get("name", "")))
     return None

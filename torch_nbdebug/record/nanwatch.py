@@ -233,7 +233,7 @@ class NanRecorder(ModuleChecks):
                 return
             verdict = "birth"
         else:
-            verdict = self._verdict_with_bad_inputs(inputs, in_bad, in_vals, bad)
+            verdict = self._verdict_with_bad_inputs(inputs, in_bad, in_vals, bad, phase)
             if verdict is None:
                 return
         out_stats = stats_of(bad, 1)
@@ -263,15 +263,25 @@ class NanRecorder(ModuleChecks):
         return "non-finite parameter " + ", ".join(names)
 
     def _verdict_with_bad_inputs(self, inputs: list[torch.Tensor], in_bad: list[bool], in_vals: list[float],
-                                 bad: list[torch.Tensor]) -> Optional[str]:
+                                 bad: list[torch.Tensor], phase: str) -> Optional[str]:
+        culprits = [t for t, b in zip(inputs, in_bad) if b]
+        if phase == "backward" and self._from_absorbed(culprits):
+            return "birth"  # the torch.where trap: a value the forward threw away poisons the gradient
         external = [v for t, b, v in zip(inputs, in_bad, in_vals) if b and not self.produced.contains(t)]
         out_nan = any(ops.has_nan(t) for t in bad)
         if external and not self.has_events() and not is_mask(external, out_nan):
             return "input"
         if out_nan and not any(v != v for v in in_vals):
             return "birth"  # NaN made from infinities: inf - inf, 0 * inf, a fully masked softmax row
-        self._propagated([t for t, b in zip(inputs, in_bad) if b])
+        if phase == "forward":
+            self._propagated(culprits)
         return None
+
+    def _from_absorbed(self, tensors: list[torch.Tensor]) -> bool:
+        """Is one of these the saved output of a forward birth that a where/masked_fill threw away?"""
+        if not self.absorbed:
+            return False
+        return any(self._birth_keys.get(ops.storage_key(t) or -1) in self.absorbed for t in tensors)
 
     def _propagated(self, tensors: list[torch.Tensor]) -> None:
         """A non-finite value flowed on: a forward birth it came from was not absorbed after all."""
@@ -308,7 +318,8 @@ class NanRecorder(ModuleChecks):
                           iteration=self.iteration, **extra)
 
     def add_event(self, event: NanEvent, outputs: list[torch.Tensor]) -> None:
-        if event.phase == "backward" and event.sequence_nr is not None:
+        if event.phase == "backward" and event.sequence_nr is not None and not event.deferred:
+            # (Deferred checks cannot see a torch.where throw a forward birth away, so they keep both.)
             fwd = self._birth_seqs.get(event.sequence_nr)
             if fwd is not None and fwd not in self.absorbed:
                 return  # the gradient of an op whose forward output was already reported as non-finite

@@ -33,12 +33,13 @@ def is_user_code(code: types.CodeType) -> bool:
     """True when ``code`` belongs to the user (a notebook cell, a script, a test), not a library."""
     cached = _is_user_cache.get(code)
     if cached is None:
-        cached = _classify(code.co_filename)
+        cached = is_user_file(code.co_filename)
         _is_user_cache[code] = cached
     return cached
 
 
-def _classify(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
+    """True when a file is the user's (a cell, a script), not torch, torch_nbdebug, stdlib or site-packages."""
     if filename.startswith("<frozen"):
         return False
     norm = os.path.normcase(os.path.abspath(filename)) if not filename.startswith("<") else filename

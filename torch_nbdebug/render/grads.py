@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 import traitlets
 
-from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, FIELDS, Flag, GradTrace, Histogram
+from torch_nbdebug.data.grads import ACT_FIELDS, FIELDS, Flag, GradTrace, Histogram
 from torch_nbdebug.process.grads import flagged_layers, layer_arrays, layer_table, norm_heatmap
 from torch_nbdebug.render.html import esc, stylesheet
 from torch_nbdebug.render.widget import View, esm_path
@@ -242,4 +242,4 @@ def _f32(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
-__all__ = ["text", "html", "widget", "GradsView", "flow_svg", "heatmap_png", "hist_svg", "fmt", "FIELD"]
+__all__ = ["text", "html", "widget", "GradsView", "flow_svg", "heatmap_png", "hist_svg", "fmt", "FLAG_COLOURS"]

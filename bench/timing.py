@@ -1,0 +1,102 @@
+"""Interleaved timing shared by the benchmarks: wall clock and this process's CPU time, side by side.
+
+Not a benchmark itself (``./dev bench`` runs every ``bench/*.py``; this one only defines helpers).
+The machine the benchmarks run on is shared, so variants are timed interleaved within each repeat
+(machine noise then hits them alike) and compared by ratios of medians. With one thread, the process's
+CPU time is the steadier measure: other processes inflate our wall clock, not our CPU time, and
+contention only ever adds to it, so the minimum is the least disturbed repeat.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class Sample(NamedTuple):
+    """One timed call: elapsed seconds and this process's CPU seconds."""
+
+    wall: float
+    cpu: float
+
+
+class Summary(NamedTuple):
+    """One variant over its repeats: median wall, median CPU and least CPU seconds."""
+
+    wall: float
+    cpu: float
+    cpu_min: float
+
+
+def clock(fn: Callable[[], T], sync: Optional[Callable[[], None]] = None) -> tuple[Sample, T]:
+    """Time ``fn()``; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the start and before the stop,
+    so queued device work is neither charged to this call nor left out of it."""
+    if sync is not None:
+        sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    if sync is not None:
+        sync()
+    return Sample(time.perf_counter() - wall, time.process_time() - cpu), out
+
+
+def alternating(names: Sequence[str], repeat: int) -> list[str]:
+    """The order of the variants in repeat number ``repeat``: as given on even repeats, reversed on odd
+    ones, so no variant always runs right after the same neighbour (caches, allocator state)."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
+
+
+class Timings:
+    """Samples per variant, appended as interleaved repeats run; medians and minima per variant."""
+
+    def __init__(self, names: Sequence[str], sync: Optional[Callable[[], None]] = None) -> None:
+        self.samples: dict[str, list[Sample]] = {name: [] for name in names}
+        self.sync = sync
+
+    def time(self, name: str, fn: Callable[[], T]) -> T:
+        """Time ``fn()`` as one sample of ``name`` and return what it returned."""
+        sample, out = clock(fn, self.sync)
+        self.samples[name].append(sample)
+        return out
+
+    def repeats(self, name: str) -> int:
+        return len(self.samples[name])
+
+    def median_wall(self, name: str) -> float:
+        return statistics.median(s.wall for s in self.samples[name])
+
+    def median_cpu(self, name: str) -> float:
+        return statistics.median(s.cpu for s in self.samples[name])
+
+    def min_cpu(self, name: str) -> float:
+        return min(s.cpu for s in self.samples[name])
+
+    def median_walls(self) -> dict[str, float]:
+        return {name: self.median_wall(name) for name, samples in self.samples.items() if samples}
+
+    def summary(self, name: str) -> Summary:
+        return Summary(self.median_wall(name), self.median_cpu(name), self.min_cpu(name))
+
+    def summaries(self) -> dict[str, Summary]:
+        """Every variant that has samples, in the order the variants were named."""
+        return {name: self.summary(name) for name, samples in self.samples.items() if samples}
+
+
+def interleave(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 0, alternate: bool = False,
+               sync: Optional[Callable[[], None]] = None, budget_s: Optional[float] = None) -> Timings:
+    """Call every function once per repeat, interleaved (reversing the order on odd repeats when
+    ``alternate``), after ``warmup`` untimed rounds. With ``budget_s``, stop after the first repeat that
+    ends past that many seconds (``Timings.repeats`` then tells how many ran)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    timings = Timings(list(fns), sync)
+    start = time.perf_counter()
+    for r in range(repeats):
+        for name in (alternating(list(fns), r) if alternate else fns):
+            timings.time(name, fns[name])
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+    return timings
