@@ -16,6 +16,8 @@ from torch_nbdebug.render.html import esc, stylesheet
 from torch_nbdebug.render.widget import View, esm_path
 
 _PHASE_LABEL = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "input": "input data"}
+_KIND_LABEL = {"nan": "NaN", "inf": "Inf"}
+CONTEXT_LINES = 6  # lines shown either side of the birth line; a long cell would bury it otherwise
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -64,7 +66,8 @@ def short(e: NanEvent) -> str:
 # -- static HTML ---------------------------------------------------------------------------------
 def report_html(s: NanSummary, finished: bool = True) -> str:
     if not finished:
-        return f'<div class="tnd">{stylesheet()}<div class="card ok">nanwatch: still running</div></div>'
+        return (f'<div class="tnd">{stylesheet()}<div class="card info">nanwatch: still running '
+                f'<span class="muted">(the report fills in when the watched code ends)</span></div></div>')
     parts = [f'<div class="tnd tnd-nanwatch">{stylesheet()}', card_html(s.first, s)]
     if s.first is not None and s.cell_source:
         parts.append(source_html(s))
@@ -81,8 +84,9 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
 
 def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     if e is None:
-        return (f'<div class="card ok"><b>nanwatch: no NaN/Inf born</b> '
-                f'<span class="muted">({s.ops_checked} ops checked, mode {esc(s.mode)})</span></div>')
+        return (f'<div class="card ok"><b class="good">✓ nanwatch: no NaN/Inf born</b> '
+                f'<span class="muted">— every value stayed finite ({s.ops_checked:,} ops checked, '
+                f'mode {esc(s.mode)})</span></div>')
     rows = [("Where", _where(e)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
     if e.phase == "backward" and e.forward_op:
         rows.insert(1, ("Forward", f"created by <code>{esc(e.forward_op)}</code>"
@@ -117,13 +121,7 @@ def _what(e: NanEvent) -> str:
     return text
 
 
-def source_html(s: NanSummary) -> str:
-    target = s.first.lineno if s.first is not None else None
-    out = []
-    for i, text in enumerate(s.cell_source.splitlines(), start=s.source_first_line):
-        cls = "line hl" if i == target else "line"
-        out.append(f'<span class="{cls}"><span class="muted">{i:>3}</span>  {esc(text)}</span>')
-    return f'<pre class="cell nw-source">{"".join(out)}</pre>'
+XX
 
 
 def _fmt(v: Optional[float]) -> str:
