@@ -115,3 +115,20 @@ def test_tracker_pops_on_exception() -> None:
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1))
         assert tracker.stack == []
+
+
+def test_namer_forgets_a_dead_module_whose_id_is_reused() -> None:
+    import gc
+    import weakref
+
+    from torch_nbdebug.record.modules import ModuleNamer
+
+    namer = ModuleNamer({})
+    ghost = nn.Sequential(nn.Linear(2, 2))
+    assert namer.name(ghost) == "sequential"
+    dead = weakref.ref(ghost)
+    del ghost
+    gc.collect()
+    other = nn.ReLU()
+    namer._names[id(other)] = (dead, "sequential")  # what CPython reusing the freed id looks like
+    assert namer.name(other) == "relu"

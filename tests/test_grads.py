@@ -270,7 +270,9 @@ def test_a_real_nanwatch_report_opens_the_stepper_where_the_inf_was_born(monkeyp
 
     net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(1, 1))
     with torch.no_grad():
-        net[1].weight.fill_(3e38)  # net.1's matmul overflows to inf
+        net[0].weight.fill_(1.0)  # deterministic: net.0 outputs 2s, whatever the RNG state
+        net[0].bias.zero_()
+        net[1].weight.fill_(3e38)  # net.1's matmul overflows to inf (3e38 * 6)
     with nanwatch():
         net(torch.ones(4, 2)).sum().backward()
     report = grads(net)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from torch_nbdebug import MemoryState, MemoryTimeline, memory_state, memory_timeline
 from torch_nbdebug.data.memory import CATEGORIES, NO_CUDA_NOTE
@@ -325,3 +326,18 @@ def test_ops_taking_tensor_lists_join_the_forward_phase() -> None:
     tl = run("y = torch.cat([w * 2, w * 3])\n", ns)
     cat = [a for a in tl.allocations if a.op == "cat.default"]
     assert len(cat) == 1 and cat[0].phase == "forward"
+
+
+def test_leaked_graph_claims_inputs_saved_by_a_later_op() -> None:
+    """``F.normalize(x)`` builds no graph (x needs no grad), but the Linear after it saves its output
+    for backward: a held loss keeps it alive, so it belongs to the loss's leak, not to "unreachable"."""
+    class Norm(nn.Module):
+        def forward(self, x):
+            return F.normalize(x, dim=-1)
+
+    ns: dict[str, Any] = {"model": nn.Sequential(Norm(), nn.Linear(16, 4)), "F": F}
+    tl = run("kept = []\nfor _ in range(3):\n    kept.append(model(torch.randn(8, 16)).sum())\n", ns)
+    assert [leak.holder for leak in tl.leaks] == ["kept"], tl.text()
+    normalized = [a for a in tl.allocations if a.end is None and a.module == "model.0" and a.shape == (8, 16)]
+    assert len(normalized) == 3 and {a.category for a in normalized} == {"activations"}
+    assert {a.id for a in normalized} <= set(tl.leaks[0].allocation_ids)

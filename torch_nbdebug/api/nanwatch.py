@@ -200,6 +200,13 @@ def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
     if len(rec.events) >= rec.max_events or rec.dropped:
         yield (f"checking stopped after the first {rec.max_events} births (raise the limit with "
                f"max_events= / --max-events)")
+    if rec.scaler_skips:
+        steps = ", ".join(str(i) for i in sorted(rec.scaler_skips)[:10])
+        yield (f"GradScaler skipped the optimizer step in iteration(s) {steps} because of inf/NaN gradients "
+               "(its normal loss-scale calibration): those backward births are listed as absorbed")
+    if rec.other_thread:
+        yield ("modules also ran in another thread: nanwatch checks the ops of the thread that runs the "
+               "watched code only (run that work in this thread to watch it)")
     yield from rec.errors
     if exc is not None and not isinstance(exc, NanBirthError):
         yield f"the code raised {type(exc).__name__}: the report covers what ran before it"

@@ -76,11 +76,14 @@ class NanwatchMagics(Magics):
 
 
 def _check_syntax(shell: Any, body: str) -> None:
-    """A syntax error is reported before anything is watched, as a usage error naming the line."""
+    """A syntax error (or a cell of comments) is reported before anything is watched or shown."""
     try:
-        ast.parse(shell.transform_cell(body))
+        tree = ast.parse(shell.transform_cell(body))
     except SyntaxError as exc:
         raise UsageError(f"%%nanwatch: the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    if not tree.body:
+        raise UsageError("%%nanwatch: the cell has no code to run (only comments): put the code to watch "
+                         "under the %%nanwatch line")
 
 
 MAGICS = NanwatchMagics

@@ -53,10 +53,17 @@ def hint(event: NanEvent, absorbed_ops: Sequence[str] = ()) -> str:
     if event.phase == "optimizer":
         grad_ok = "gradient finite" in event.detail
         why = ("the update itself overflowed: the learning rate is too large or growing"
-               if grad_ok else "the gradient or optimizer state was non-finite")
+               if grad_ok and event.kind == "inf" else
+               "the update made NaN from a finite gradient: 0/0 in an adaptive step (Adam-style optimizers "
+               "divide by sqrt(v) + eps, so eps=0 with a zero gradient gives 0/0) or an inf/NaN learning rate; "
+               "keep eps > 0" if grad_ok else "the gradient or optimizer state was non-finite")
         return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
                 f"{why} ({event.detail}). Lower the learning rate or fix the schedule, and clip gradients "
                 "(torch.nn.utils.clip_grad_norm_).")
+    if event.phase == "backward" and "GradScaler" in event.detail:
+        return ("GradScaler saw this overflow, skipped the optimizer step and lowered the loss scale: expected "
+                "now and then with float16 (it is how the scale is calibrated). Only a concern when most "
+                "steps are skipped: then find why the gradients overflow even at a small scale.")
     if event.phase == "backward":
         return _backward_hint(event, absorbed_ops)
     return _forward_hint(_base(event.op), event)
@@ -69,7 +76,7 @@ def _forward_hint(name: str, event: NanEvent) -> str:
         return (f"The output of {event.module} went non-finite while its inputs were finite. "
                 "Run with the op-level mode (the default) to name the exact op.")
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
-        if _has(ins, "neg"):
+        if _has(ins, "neg") or event.kind == "nan":  # log(0) is -inf; only a negative input gives NaN
             return "log of a negative number gives NaN: make sure the input is positive (e.g. softplus, abs, clamp)."
         return "log of zero gives -inf: use torch.log(x.clamp_min(eps)) or torch.log(x + eps), or log_softmax."
     if name in ("sqrt", "rsqrt"):
@@ -99,7 +106,11 @@ def _forward_hint(name: str, event: NanEvent) -> str:
             and event.kind == "nan":
         return ("The loss averaged over zero targets (0/0): every target in the batch equals ignore_index, or "
                 "the batch is empty. Skip such batches or use reduction='sum'.")
-    if name in ("native_layer_norm", "native_batch_norm", "native_group_norm") and not half:
+    if _is_norm(name) and event.kind == "nan" and not _has(ins, "big"):
+        return ("Normalisation divided 0 by 0: the input has zero variance (a constant row or channel, or a "
+                "running_var of 0 in eval mode) and eps is 0. Keep eps > 0 (the default 1e-5), or check why "
+                "the input is constant.")
+    if _is_norm(name) and not half:
         return ("Normalisation overflowed: the inputs are so large that their squares pass the dtype's maximum. "
                 "Scale them down earlier (a smaller init, a lower learning rate) or normalise in float32.")
     if event.kind == "nan" and any(s.inf for s in ins):
@@ -112,13 +123,27 @@ def _forward_hint(name: str, event: NanEvent) -> str:
     return "This op made NaN from finite inputs: check its inputs' ranges in the statistics below."
 
 
+def _is_norm(name: str) -> bool:
+    return name in ("native_layer_norm", "native_batch_norm", "native_group_norm", "batch_norm", "layer_norm") \
+        or name.startswith("native_batch_norm_legit")
+
+
 def _backward_hint(event: NanEvent, absorbed_ops: Sequence[str]) -> str:
     name = _base(event.op)
     fwd = f" (created by {event.forward_op} at line {event.forward_lineno})" if event.forward_op else ""
+    if "your own backward code" in event.detail:
+        return (f"Your own backward code made this gradient {event.kind.upper()} at line {event.lineno} "
+                f"({_base(event.aten_op or '') or 'an op'} on finite values): a custom autograd.Function.backward "
+                "or a gradient hook. Guard its divisions and logs (add eps, clamp) or check its formula "
+                "with torch.autograd.gradcheck.")
     if event.absorbed_forward or (event.forward_op and event.forward_op in absorbed_ops):
         return ("The torch.where trap: the forward threw the bad branch away, but its gradient is still "
                 f"computed: {event.op}{fwd} gives NaN at the masked positions. Make the unused branch safe "
                 "instead, e.g. torch.log(torch.where(mask, x, 1.0)) inside the where.")
+    if "AccumulateGrad" in event.op:
+        return ("Accumulating into .grad overflowed: the gradients summed over several backward calls passed the "
+                "dtype's largest number. Call optimizer.zero_grad() between steps, or scale the loss down "
+                "(divide by the number of accumulation steps).")
     if name in ("sqrt", "rsqrt"):
         return ("The gradient of sqrt at 0 is infinite (1 / (2*sqrt(x))): use torch.sqrt(x + eps) or clamp x "
                 f"away from 0{fwd}.")
@@ -141,7 +166,7 @@ def _backward_hint(event: NanEvent, absorbed_ops: Sequence[str]) -> str:
 
 def with_hints(events: Sequence[NanEvent], absorbed: Sequence[NanEvent] = ()) -> tuple[NanEvent, ...]:
     absorbed_ops = [e.op for e in absorbed]
-    absorbed_seqs = {e.sequence_nr for e in absorbed if e.sequence_nr is not None}
+    absorbed_seqs = {e.sequence_nr for e in absorbed if e.sequence_nr is not None and e.phase == "forward"}
     out = []
     for e in events:
         if e.phase == "backward" and e.sequence_nr in absorbed_seqs:

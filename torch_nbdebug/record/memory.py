@@ -8,7 +8,7 @@ exactly as long as the storage, so the callback fires at the real free and keeps
 Categories come from what PyTorch tells us along the way: the ``AccumulateGrad`` node marks
 gradients, optimizer step hooks mark parameters, gradients and optimizer state; anything else
 allocated inside forward, backward or the optimizer step is a temporary, and the rest is "other".
-Activations saved for backward are the forward allocations that join the autograd graph and are
+Activations saved for backward are the allocations made in forward with grad mode on that are
 still alive when the backward starts (or when recording stops): everything else made in forward
 was freed as a temporary. We deliberately do not install saved-tensors hooks to see them: such
 hooks switch off autograd's "modified by an inplace operation" check, which would change the
@@ -63,7 +63,7 @@ class _Record:
         self.end: Optional[int] = None
         self.key = key
         self.address = 0
-        self.in_graph = False  # made by an op that extends the autograd graph
+        self.in_graph = False  # made in forward with grad mode on: may be saved for backward
 
 
 class _AllocationMode(TorchDispatchMode):
@@ -206,7 +206,9 @@ class MemoryRecorder:
                 line = self._user_line() if self.record_lines else None
                 alloc_id = self._track(tensor, key, category, phase, func.__name__, None,
                                        self._tracker.current, line)
-                if graph_inputs and phase == FORWARD:
+                if phase == FORWARD and torch.is_grad_enabled():
+                    # May be saved for backward by this op or a later one (a Linear saves its
+                    # input even when that input was made without grad): decided when backward starts.
                     self._records[alloc_id].in_graph = True
                     self._forward_pending = True
             if node is not None and type(node).__name__ == "AccumulateGrad":

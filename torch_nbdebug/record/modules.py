@@ -7,6 +7,7 @@ handle-based hooks (``register_module_forward_pre_hook``/``register_module_forwa
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -47,35 +48,55 @@ class ModuleNamer:
     """Names modules lazily: from the namespace first, else by class for modules created inline.
 
     A module that the namespace does not know and that runs at top level becomes a root named after
-    its class in lower case (``resnet``), so its children still get readable paths.
+    its class in lower case (``resnet``), so its children still get readable paths. Names are kept
+    by ``id(module)`` with a weak reference: a model created inline and freed leaves its id to the
+    next module, which must not inherit the dead model's path.
     """
 
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None) -> None:
         self._namespace = namespace
-        self._names = qualified_names(module_roots(namespace))
+        self._names: dict[int, tuple[weakref.ref, str]] = {}
+        self._add_roots(module_roots(namespace))
 
     def name(self, module: nn.Module, parent: Optional[str] = None) -> str:
-        found = self._names.get(id(module))
+        found = self._lookup(module)
         if found is not None:
             return found
         if parent is None:
             # The namespace may have gained the model since we were created (``model = Net()`` in the cell).
-            self._names.update({k: v for k, v in qualified_names(module_roots(self._namespace)).items()
-                                if k not in self._names})
-            found = self._names.get(id(module))
-            if found is not None:
-                return found
-            root = type(module).__name__.lower()
-            self._names.update({k: v for k, v in qualified_names([(root, module)]).items() if k not in self._names})
-            return self._names[id(module)]
+            self._add_roots(module_roots(self._namespace))
+            found = self._lookup(module)
+            if found is None:
+                self._add_roots([(type(module).__name__.lower(), module)])
+                found = self._lookup(module)
+            assert found is not None
+            return found
         # A child the parent's named_modules did not list (created during forward): name it by class.
         path = f"{parent}.{type(module).__name__.lower()}"
-        self._names[id(module)] = path
+        self._remember(module, path)
         return path
 
     def clear(self) -> None:
         self._names.clear()
         self._namespace = None
+
+    def _add_roots(self, roots: Iterable[tuple[str, nn.Module]]) -> None:
+        for root_name, root in roots:
+            for sub_name, module in root.named_modules(remove_duplicate=False):
+                if self._lookup(module) is None:  # the largest root claims shared modules
+                    self._remember(module, f"{root_name}.{sub_name}" if sub_name else root_name)
+
+    def _remember(self, module: nn.Module, path: str) -> None:
+        self._names[id(module)] = (weakref.ref(module), path)
+
+    def _lookup(self, module: nn.Module) -> Optional[str]:
+        entry = self._names.get(id(module))
+        if entry is None:
+            return None
+        if entry[0]() is not module:  # the module named so died and a new one got its id
+            del self._names[id(module)]
+            return None
+        return entry[1]
 
 
 class ModuleTracker:

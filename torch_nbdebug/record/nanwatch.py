@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -20,9 +21,12 @@ from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.modules import ModuleTracker, module_roots
-from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
+from torch_nbdebug.record.nanwatch_events import (USER_BACKWARD, Place, here, kind_of, make_event, stats_of,
+                                                  user_backward_frame)
 from torch_nbdebug.record import nanwatch_deferred as deferred
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder
+from torch_nbdebug.record.nanwatch_amp import AmpChecks
+from torch_nbdebug.record.nanwatch_held import HeldBackward
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode, Pending
 from torch_nbdebug.record.nanwatch_optim import OptimizerWatch
@@ -36,7 +40,7 @@ _categories = ops._cache
 _NODE_CAP = 200_000  # forward places remembered for backward births (oldest dropped first)
 
 
-class NanRecorder(ModuleChecks):
+class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
     """Context manager: watch everything torch does inside, collect :class:`NanEvent` births."""
 
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, mode: str = "op",
@@ -55,6 +59,7 @@ class NanRecorder(ModuleChecks):
         self._birth_keys: dict[int, int] = {}
         self._birth_seqs: dict[int, int] = {}
         self._places: dict[int, Place] = {}
+        self._held: dict[int, list[NanEvent]] = {}  # backward births waiting for their node to finish
         self.pending: list[Pending] = []
         self._last_seq = -1
         self._op_seq: Optional[int] = None
@@ -67,6 +72,10 @@ class NanRecorder(ModuleChecks):
         self._optim: Optional[OptimizerWatch] = None
         self._suspended_mode: Optional[OpWatchMode] = None
         self.errors: list[str] = []
+        self.thread_id = threading.get_ident()
+        self.scaler_skips: set[int] = set()  # iterations whose step GradScaler skipped (inf gradients)
+        self._scaler_mark = 0  # events before this index were seen by an earlier GradScaler check
+        self.other_thread = False
         self._last_exit: Optional[tuple[Any, Optional[list[float]], Any]] = None  # (weakref, values, hook)
 
     # -- lifetime --------------------------------------------------------------------------
@@ -104,6 +113,7 @@ class NanRecorder(ModuleChecks):
         for handle in self._handles + self._grad_handles:
             handle.remove()
         self._handles, self._grad_handles = [], []
+        self.commit_held()
         if self._tracker is not None:
             self._tracker.remove()
         try:
@@ -163,7 +173,7 @@ class NanRecorder(ModuleChecks):
             self.iteration += 1
 
     # -- op level --------------------------------------------------------------------------
-    def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, pre: Optional[torch.Tensor] = None) -> None:
         # The hot path: runs for every op, so it is kept flat (no helper calls for the common cases).
         if self._quiet or (self._optim is not None and self._optim.active):
             return
@@ -193,19 +203,30 @@ class NanRecorder(ModuleChecks):
             phase = "backward"
         if cat == ops.VIEW:
             return
+        if cat == ops.SCALER:
+            self._scaler_checked(args)
+            return
+        if cat == ops.CAST:
+            self._check_cast(func, args, out, phase, node)
+            cat = ops.SKIP
         if cat == ops.SKIP:
-            self.produced.add_all(out)
+            # A copy of data from outside the watch (a DataLoader's stack, .to(), an index) is still
+            # outside data: only tensors made from what the watch produced count as produced.
+            if ops.any_external(func, args, self.produced):
+                self.produced.discard_all(out)
+            else:
+                self.produced.add_all(out)
             return
         outs = ops.float_outputs(out)
         if cat == ops.CHECK:
             if outs and len(self.events) < self.max_events:
                 self.ops_checked += 1
                 if self.layers.deferred:
-                    deferred.queue_op(self, func, args, kwargs, outs, phase, node)
+                    deferred.queue_op(self, func, args, kwargs, outs, phase, node, pre)
                 else:
                     bad = [t for t in outs if ops.is_bad_value(ops.sum_value(t))]
                     if bad:
-                        self._examine(func, args, kwargs, bad, phase, node)
+                        self._examine(func, args, kwargs, bad, phase, node, pre)
         elif cat == ops.LIFT:
             # A tensor literal: infinities the user wrote are intentional, a NaN counts as input data.
             if any(ops.has_nan(t) for t in outs):
@@ -220,12 +241,16 @@ class NanRecorder(ModuleChecks):
                 del self._places[key]
         self._places[seq] = here(self.module_path(), func)
 
-    def _examine(self, func: Any, args: tuple, kwargs: dict, bad: list[torch.Tensor], phase: str, node: Any) -> None:
+    def _examine(self, func: Any, args: tuple, kwargs: dict, bad: list[torch.Tensor], phase: str, node: Any,
+                 pre: Optional[torch.Tensor] = None) -> None:
         """A cheap check flagged: decide birth / input / propagation, precisely, while tensors are alive."""
         if ops.has_nonfinite_scalar(args, kwargs):
             return  # masked_fill(m, -inf), x * inf: the user asked for it
-        inputs = ops.float_inputs(args, kwargs)
-        in_vals = [ops.sum_value(t) for t in inputs]
+        inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
+        in_vals = [_confirmed(t, ops.sum_value(t)) for t in inputs]
+        inplace = pre is not None and bool(inputs) and inputs[0] is args[0]
+        if inplace:
+            in_vals[0] = float(pre.item())  # x.log_(): judge self by its value before the op
         in_bad = [ops.is_bad_value(v) for v in in_vals]
         if not any(in_bad):
             bad = [t for t in bad if ops.any_nonfinite(t)]  # the sum may have overflowed
@@ -240,15 +265,20 @@ class NanRecorder(ModuleChecks):
         kind = kind_of(list(out_stats))
         if self.ignore_inf and kind == "inf":
             return
-        shown, detail = inputs, ""
+        # An in-place op's input now holds its result: show the other inputs only.
+        shown, detail = (inputs[1:], "in-place op: its input was overwritten by the result") if inplace \
+            else (inputs, "")
         if verdict == "input":
             culprits = [t for t, b in zip(inputs, in_bad) if b]
             shown = culprits[:2] + [t for t, b in zip(inputs, in_bad) if not b][:2]
             detail = self._describe_inputs(culprits)
         event = self._event(func, phase, node, verdict, stats_of(shown), out_stats[0], kind)
         if detail:
-            event = dataclasses.replace(event, detail=detail)
-        self.add_event(event, bad)
+            event = dataclasses.replace(event, detail=", ".join(d for d in (event.detail, detail) if d))
+        if event.phase == "backward" and node is not None:
+            self._hold(node, event)
+        else:
+            self.add_event(event, bad)
 
     def _describe_inputs(self, culprits: list[torch.Tensor]) -> str:
         """``non-finite parameter model.fc.weight`` when a parameter (not the data) carries it."""
@@ -270,6 +300,10 @@ class NanRecorder(ModuleChecks):
         external = [v for t, b, v in zip(inputs, in_bad, in_vals) if b and not self.produced.contains(t)]
         out_nan = any(ops.has_nan(t) for t in bad)
         if external and not self.has_events() and not is_mask(external, out_nan):
+            return "input"
+        if phase == "forward" and not self.has_events() and any(v != v for v, b in zip(in_vals, in_bad) if b):
+            # A NaN that no watched op made (a NaN the code wrote, data built inside the cell,
+            # another thread): never stay silent, name its first consumer.
             return "input"
         if out_nan and not any(v != v for v in in_vals):
             return "birth"  # NaN made from infinities: inf - inf, 0 * inf, a fully masked softmax row
@@ -294,9 +328,12 @@ class NanRecorder(ModuleChecks):
         """``torch.where``/``masked_fill`` dropped a born NaN/Inf and kept a finite result."""
         if any(ops.is_bad_value(ops.sum_value(t)) for t in outs):
             return
+        written = {ops.storage_key(t) for t in outs}
         for t in ops.float_inputs(args, kwargs):
-            idx = self._birth_keys.get(ops.storage_key(t) or -1)
-            if idx is not None and ops.is_bad_value(ops.sum_value(t)):
+            key = ops.storage_key(t) or -1
+            idx = self._birth_keys.get(key)
+            # In place (``y.masked_fill_(...)``) the born values were overwritten: the output is finite.
+            if idx is not None and (key in written or ops.is_bad_value(ops.sum_value(t))):
                 self.absorbed.add(idx)
 
     def _event(self, func: Any, phase: str, node: Any, verdict: str, inputs: tuple, output: Any, kind: str) -> NanEvent:
@@ -306,9 +343,15 @@ class NanRecorder(ModuleChecks):
             fwd = self._places.get(seq)
             place = fwd if fwd is not None else here(None, None, sys._getframe(1))
             fwd_op = ops.op_name(fwd.op) if fwd is not None and fwd.op is not None else None
+            fwd_module, fwd_line = place.module, place.lineno
+            mine = user_backward_frame(sys._getframe(1))
+            detail = ""
+            if mine is not None:  # a custom autograd.Function's backward or a tensor hook: point at it
+                place = Place(place.op, place.module, mine.f_code.co_filename, mine.f_lineno, mine.f_code.co_name)
+                detail = USER_BACKWARD
             return make_event("backward", node.name(), place, inputs, output, kind=kind, iteration=self.iteration,
                               aten_op=op, node_name=node.name(), sequence_nr=seq, forward_op=fwd_op,
-                              forward_module=place.module, forward_lineno=place.lineno)
+                              forward_module=fwd_module, forward_lineno=fwd_line, detail=detail)
         place = here(self.module_path() if phase == "forward" else None, func, sys._getframe(1))
         seq = self._op_seq if phase == "forward" else None
         extra: dict[str, Any] = dict(aten_op=op, sequence_nr=seq)
@@ -355,6 +398,13 @@ class NanRecorder(ModuleChecks):
         return self._op_seq
 
 
+def _confirmed(t: torch.Tensor, total: float) -> float:
+    """The input's propagating sum, or 0.0 when only the sum overflowed (huge but finite values)."""
+    if ops.is_bad_value(total) and total == total and not ops.any_nonfinite(t):
+        return 0.0
+    return total
+
+
 def is_mask(external_sums: list[float], out_nan: bool) -> bool:
     """An additive attention mask made before the watch (``generate_square_subsequent_mask``): only
     -inf (its sum is -inf) and no NaN comes out. Intentional, not bad input data."""
@@ -370,3 +420,4 @@ def birth_message(event: NanEvent) -> str:
     if event.output is not None:
         text += f"\n  output: {event.output.brief()}"
     return text + "\n  (the full report is in the error's .report and, in a notebook, in _nanwatch)"
+

@@ -27,11 +27,16 @@ _MAX_QUEUE = 4096  # read earlier than the next boundary when this many checks w
 
 
 def queue_op(rec: "NanRecorder", func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor],
-             phase: str, node: Any) -> None:
-    """Queue one op's check (forward or backward); nothing is read from the device here."""
+             phase: str, node: Any, pre: Optional[torch.Tensor] = None) -> None:
+    """Queue one op's check (forward or backward); nothing is read from the device here.
+
+    ``pre`` is an in-place op's input sum from before the op: it stands in for the overwritten input."""
     if ops.has_nonfinite_scalar(args, kwargs):
         return
-    inputs = ops.float_inputs(args, kwargs)
+    inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
+    external = tuple(not rec.produced.contains(t) for t in inputs)
+    if pre is not None and inputs and inputs[0] is args[0]:
+        inputs = [pre.reshape(1)] + inputs[1:]
     if phase == "backward":
         seq = node._sequence_nr()
         fwd = rec.forward_place(seq)
@@ -39,7 +44,6 @@ def queue_op(rec: "NanRecorder", func: Any, args: tuple, kwargs: dict, outs: lis
         extra = dict(node=node.name(), seq=seq, fwd_op=ops.op_name(fwd.op) if fwd and fwd.op is not None else None)
     else:
         place, extra = here(rec.module_path(), func), dict(seq=rec.op_seq)
-    external = tuple(not rec.produced.contains(t) for t in inputs)
     _push(rec, outs, inputs, external, phase, ops.op_name(func), place, extra)
 
 

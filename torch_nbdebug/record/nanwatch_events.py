@@ -9,7 +9,7 @@ import torch
 
 from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.data.stats import TensorStats
-from torch_nbdebug.record.source import line_of, user_frame
+from torch_nbdebug.record.source import is_user_code, line_of, user_frame
 from torch_nbdebug.record.stats import summarize
 
 
@@ -29,6 +29,23 @@ def here(module: Optional[str], op: Any, start: Optional[types.FrameType] = None
     if frame is None:
         return Place(op, module, None, None, "<module>")
     return Place(op, module, frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+
+
+USER_BACKWARD = "made by your own backward code (a custom autograd.Function backward or a tensor hook)"
+
+
+def user_backward_frame(start: Optional[types.FrameType]) -> Optional[types.FrameType]:
+    """The user's frame running *inside* the autograd engine (a custom Function's backward, a hook),
+    or None when the engine runs a built-in formula (then the forward line is the place to show)."""
+    frame = start
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward":
+            return None
+        if is_user_code(code):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def kind_of(stats: list[TensorStats]) -> str:

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record.nanwatch_events import Place, Shape
+from torch_nbdebug.record.nanwatch_ops import pre_state
 
 
 class OpWatchMode(TorchDispatchMode):
@@ -18,17 +19,24 @@ class OpWatchMode(TorchDispatchMode):
     with raise_on_birth) passes through.
     """
 
-    def __init__(self, on_op: Callable[[Any, tuple, dict, Any], None],
+    def __init__(self, on_op: Callable[[Any, tuple, dict, Any, Optional[torch.Tensor]], None],
                  on_error: Callable[[str, Exception], None]) -> None:
         super().__init__()
         self._on_op = on_op
         self._on_error = on_error
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         kwargs = kwargs or {}
+        try:
+            # An in-place op (``x.log_()``) overwrites its input: keep its finiteness from before.
+            pre = pre_state(func, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
+            pre = None
+            self._on_error(str(func), exc)
         out = func(*args, **kwargs)
         try:
-            self._on_op(func, args, kwargs, out)
+            self._on_op(func, args, kwargs, out, pre)
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
@@ -54,10 +62,14 @@ class Pending(NamedTuple):
 def device_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``[[bad...], [nan...], [negative...]]`` of each tensor's propagating sum, on the device, no sync.
 
-    A sum that is -inf (bad, not NaN, negative) means only -inf values: an additive mask."""
-    sums = torch.stack([(t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()).float()
-                        for t in tensors])
+    A sum that is -inf (bad, not NaN, negative) means only -inf values: an additive mask. The sums
+    accumulate in a wider type (float32 for half types, float64 for float32), so that huge finite
+    values cannot overflow them: these flags are never confirmed against the tensor later."""
+    sums = torch.stack([t.sum(dtype=_WIDER.get(t.dtype, t.dtype)).double() for t in tensors])
     return torch.stack([~torch.isfinite(sums), torch.isnan(sums), sums < 0])
+
+
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 
 
 def read_all(pending: list[Pending]) -> list[list[list[bool]]]:

@@ -5,7 +5,9 @@ A mixin of :class:`~torch_nbdebug.record.nanwatch.NanRecorder`; it uses the reco
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,8 @@ class ModuleChecks:
     """Module exit / gradient callbacks of the recorder (methods typed with the recorder as self)."""
 
     def _module_enter(self: "NanRecorder", path: str, module: torch.nn.Module) -> None:
+        if threading.get_ident() != self.thread_id:
+            self.other_thread = True  # dispatch modes are per thread: that thread's ops go unchecked
         if self._tracker is not None and len(self._tracker.stack) == 1:
             self._forward_tick()
         self.layers.enter(path)
@@ -72,17 +76,22 @@ class ModuleChecks:
         if any(e.module and e.module.startswith(path + ".") for e in self.events):
             return  # a submodule already reported this one
         inputs = ops.float_inputs(args, {})
-        in_bad = [ops.is_bad_value(ops.sum_value(x)) for x in inputs]
-        if any(in_bad) and self.has_events():
+        in_bad = [ops.is_bad_value(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
+        # Weights an earlier step (or the code before the watch) made non-finite are inputs too.
+        bad_params = [p for p in module.parameters() if ops.checkable(p) and ops.any_nonfinite(p)]
+        if (any(in_bad) or bad_params) and self.has_events():
             return
         out = stats_of([t], 1)[0]
         kind = kind_of([out])
         if self.ignore_inf and kind == "inf":
             return
-        phase = "input" if any(in_bad) else "forward"
+        phase = "input" if any(in_bad) or bad_params else "forward"
         place = here(path, None, sys._getframe(1))
-        self.add_event(make_event(phase, f"{type(module).__name__} (module output)", place, stats_of(inputs), out,
-                             kind=kind, iteration=self.iteration), [])
+        event = make_event(phase, f"{type(module).__name__} (module output)", place, stats_of(inputs), out,
+                           kind=kind, iteration=self.iteration)
+        if bad_params and not any(in_bad):
+            event = dataclasses.replace(event, detail=self._describe_inputs(bad_params))
+        self.add_event(event, [])
 
     def on_grad(self: "NanRecorder", paths: list[str], grad: torch.Tensor) -> None:
         """A gradient reached a module's output (tensor hook): table stats, and module-mode check."""

@@ -12,11 +12,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
-VIEW, SKIP, CHECK, ABSORB, LIFT = 0, 1, 2, 3, 4
+VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
 # Cannot create a non-finite value from finite inputs (copies, selection, bounded maps, creation).
 _SAFE = frozenset("""
-detach alias clone contiguous _to_copy copy copy_ to cat stack split split_with_sizes chunk unbind
+detach alias clone contiguous cat stack split split_with_sizes chunk unbind
 narrow index index_select gather embedding eq ne lt gt le ge logical_and logical_or logical_not
 logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor isnan isinf isfinite isneginf isposinf
 zeros ones empty empty_like zeros_like ones_like new_zeros new_ones new_empty empty_strided
@@ -26,7 +26,7 @@ gelu gelu_ silu silu_ hardtanh hardtanh_ hardsigmoid abs neg sign sgn max min am
 aminmax sort topk flip roll repeat _unsafe_view t permute max_pool2d_with_indices max_pool1d
 max_pool2d max_pool3d_with_indices zero_ fill fill_ full full_like new_full scalar_tensor tril triu
 masked_select nonzero _local_scalar_dense set_ resize_ select_backward slice_backward
-index_put index_put_ expand_copy view_copy permute_copy unsqueeze_copy squeeze_copy
+expand_copy view_copy permute_copy unsqueeze_copy squeeze_copy
 lift_fresh_copy _reshape_alias unfold im2col col2im constant_pad_nd reflection_pad2d
 replication_pad2d _assert_async _assert_tensor_metadata sym_size sym_stride sym_numel
 _has_compatible_shallow_copy_type is_same_size equal allclose count_nonzero any all
@@ -34,12 +34,17 @@ _has_compatible_shallow_copy_type is_same_size equal allclose count_nonzero any 
 
 # Select or replace values: a non-finite input may be thrown away here (the torch.where trap).
 _ABSORBING = frozenset("where masked_fill masked_fill_ nan_to_num nan_to_num_ clamp clamp_ clamp_min "
-                       "clamp_min_ clamp_max clamp_max_".split())
+                       "clamp_min_ clamp_max clamp_max_ index_put index_put_".split())
+# Copies that may change the dtype: float32 -> float16 overflows past 65504 (``x.half()``, autocast).
+_CASTS = frozenset("_to_copy copy copy_ to _copy_from _copy_from_and_resize".split())
 # A tensor literal written by the user (``torch.tensor([...])``).
 _LIFTS = frozenset(("lift_fresh",))
 HALF = (torch.float16, torch.bfloat16)
 
 _cache: dict[Any, int] = {}
+# How an op writes into its arguments: not at all, in place into ``self`` (``log_``), or into ``out=``.
+PURE, INPLACE, OUT = 0, 1, 2
+_writes: dict[Any, tuple[int, frozenset[str]]] = {}
 
 
 def category(func: Any) -> int:
@@ -51,12 +56,70 @@ def category(func: Any) -> int:
     return found
 
 
+def writes(func: Any) -> tuple[int, frozenset[str]]:
+    """(PURE/INPLACE/OUT, names of the ``out=`` arguments) from the op's schema (cached)."""
+    found = _writes.get(func)
+    if found is None:
+        found = _writes[func] = _schema_writes(func)
+    return found
+
+
+def _schema_writes(func: Any) -> tuple[int, frozenset[str]]:
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return PURE, frozenset()
+    written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+    outs = frozenset(a.name for a in written if a.kwarg_only)
+    if outs:
+        return OUT, outs
+    if written and arguments and written[0] is arguments[0]:
+        return INPLACE, outs
+    return PURE, outs
+
+
+def pre_state(func: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """For an op that overwrites its own input and can create NaN/Inf (``x.log_()``,
+    ``torch.exp(x, out=x)``): ``self``'s finiteness *before* the op (a 0-d tensor, not read here).
+    None for every other op."""
+    mode = _writes.get(func)
+    if mode is None:
+        mode = writes(func)
+    if mode[0] == PURE or not args or category(func) != CHECK:
+        return None
+    t = args[0]
+    if mode[0] == OUT and not any(kwargs.get(name) is t for name in mode[1]):
+        return None  # out= into a separate tensor: its old contents are not an input
+    if not isinstance(t, torch.Tensor) or not checkable(t) or t.numel() == 0:
+        return None
+    return finite_value(t)
+
+
+def finite_value(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 that is finite exactly when ``t`` is: ``min/2 + max/2`` cannot overflow on
+    huge finite values (a sum can), keeps the sign of a lone infinity, and NaN propagates."""
+    lo, hi = torch.aminmax(t.detach())
+    return lo.float() * 0.5 + hi.float() * 0.5
+
+
+def op_inputs(func: Any, args: Any, kwargs: dict, limit: int = 32) -> list[torch.Tensor]:
+    """The op's checkable float inputs, leaving out the tensors it only writes (``out=``)."""
+    mode, outs = writes(func)
+    if mode == OUT and kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k not in outs}
+    return float_inputs(args, kwargs, limit)
+
+
 def _categorize(func: Any) -> int:
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if name in _LIFTS:
         return LIFT
     if name in _ABSORBING:
         return ABSORB
+    if name in _CASTS:
+        return CAST
+    if name in ("_amp_foreach_non_finite_check_and_unscale_", "_amp_foreach_non_finite_check_and_unscale"):
+        return SCALER  # GradScaler looking for inf gradients (it then skips the step)
     if getattr(func, "is_view", False):
         return VIEW  # shares its input's storage: nothing new to check or to register
     if name in _SAFE:
@@ -129,6 +192,43 @@ def storage_key(t: torch.Tensor) -> Optional[int]:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def cast_source(func: Any, args: tuple) -> Optional[torch.Tensor]:
+    """The tensor a cast/copy reads (``copy_(self, src)`` reads ``src``), if it is a float tensor."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+    src = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
+    return src if isinstance(src, torch.Tensor) and checkable(src) else None
+
+
+_narrowing: dict[tuple[torch.dtype, torch.dtype], bool] = {}
+
+
+def narrows(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Can a finite ``src`` value overflow in ``dst`` (float32 -> float16, bfloat16 -> float16)?"""
+    key = (src, dst)
+    found = _narrowing.get(key)
+    if found is None:
+        found = _narrowing[key] = src.is_floating_point and dst.is_floating_point and \
+            torch.finfo(dst).max < torch.finfo(src).max
+    return found
+
+
+def any_external(func: Any, args: tuple, produced: Any) -> bool:
+    """Does a copy-like op read a float tensor the watch did not produce (one list level deep)?
+    An in-place op's ``self`` is written, not read (``buf.copy_(src)``, ``x.fill_(v)``)."""
+    mode = _writes.get(func)
+    if mode is None:
+        mode = writes(func)
+    for a in args[1:] if mode[0] == INPLACE else args:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point() and not produced.contains(a):
+                return True
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not produced.contains(t):
+                    return True
+    return False
 
 
 def op_name(func: Any) -> str:

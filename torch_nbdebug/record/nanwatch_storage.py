@@ -44,6 +44,17 @@ class StorageRegistry:
         if self._adds >= _PURGE_EVERY:
             self.purge()
 
+    def discard_all(self, out: Any) -> None:
+        """Forget outputs written from outside data (an in-place copy_ into a produced buffer)."""
+        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if isinstance(t, torch.Tensor):
+                try:
+                    weak = self._keys.pop(t.untyped_storage()._cdata, None)
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if weak is not None:
+                    _free(weak)
+
     def contains(self, t: torch.Tensor) -> bool:
         try:
             return t.untyped_storage()._cdata in self._keys

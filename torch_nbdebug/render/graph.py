@@ -30,6 +30,17 @@ COLORS = {  # fill, stroke: presentation attributes so the SVG looks right with 
 }
 
 
+LEGEND = (("input", "input"), ("param", "parameter"), ("op", "op"), ("output", "output"),
+          ("group", "module (closed)"), ("chunk", "chunk of ops"), ("nan", "first NaN/Inf"))
+
+
+def legend_html() -> str:
+    """What the box colours mean (the same swatches as the SVG, so no CSS is needed for them)."""
+    keys = "".join(f'<span><span class="swatch" style="background:{COLORS[k][0]};border-color:{COLORS[k][1]}"></span>'
+                   f"{esc(label)}</span>" for k, label in LEGEND)
+    return f'<div class="legend muted tnd-graph-legend">{keys}<span>‖g‖ = gradient norm</span></div>'
+
+
 class GraphExplorer(Displayable):
     """A graph with a current view: ``expand``/``collapse``/``toggle`` groups, ``svg()``, ``dot()``."""
 
@@ -171,8 +182,10 @@ class GraphExplorer(Displayable):
 
     def html(self) -> str:
         notes = "".join(f"<div class='muted'>{esc(n)}</div>" for n in self.data.notes)
-        return (f"{stylesheet()}<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}"
-                f"<div style='max-height:640px;overflow:auto;border:1px solid #d8dee4'>{self.svg()}</div></div>")
+        return (f"{stylesheet()}<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}{legend_html()}"
+                f"<div class='plot' style='max-height:640px;overflow:auto;border:1px solid #d8dee4'>{self.svg()}</div>"
+                f"<div class='muted'>Static view of the groups open now (▸ closed, ▾ open). With a running kernel "
+                f"the widget opens groups on click, searches, pans/zooms and exports SVG/PNG/DOT.</div></div>")
 
     def to_dict(self) -> dict[str, Any]:
         """The plain graph plus the current view's open groups (JSON-able)."""
@@ -287,6 +300,7 @@ class GraphWidget(View):
     """The live view: the kernel sends SVG, the browser pans/zooms and sends clicks back."""
 
     _esm = esm_path("graph.js")
+    _css = esm_path("base.css")  # the shared look, also in the live view
     svg = traitlets.Unicode("").tag(sync=True)
     summary = traitlets.Unicode("").tag(sync=True)
     notes = traitlets.List(traitlets.Unicode()).tag(sync=True)

@@ -28,6 +28,8 @@ def report_text(s: NanSummary, finished: bool = True) -> str:
     first = s.first
     if first is None:
         lines.append(f"nanwatch: no NaN/Inf born ({s.ops_checked} ops checked, mode={s.mode})")
+        if clean_doubt(s):
+            lines.append("  " + clean_doubt(s))
     else:
         lines.append(f"nanwatch: {first.title()}")
         lines += ["  " + x for x in event_lines(first)]
@@ -35,7 +37,7 @@ def report_text(s: NanSummary, finished: bool = True) -> str:
             lines.append(f"all births ({len(s.events)}):")
             lines += [f"  {i + 1}. {short(e)}" for i, e in enumerate(s.events)]
     if s.absorbed:
-        lines.append("thrown away by torch.where/masked_fill (forward stayed finite):")
+        lines.append(f"{ABSORBED_TITLE}:")
         lines += [f"  - {short(e)}" for e in s.absorbed]
     lines += [f"note: {n}" for n in s.notes]
     return "\n".join(lines)
@@ -76,7 +78,7 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
     if s.events:
         parts.append(events_html(s.events, "All births"))
     if s.absorbed:
-        parts.append(events_html(s.absorbed, "Thrown away by torch.where / masked_fill (forward stayed finite)"))
+        parts.append(events_html(s.absorbed, ABSORBED_TITLE))
     parts += [f'<div class="muted">note: {esc(n)}</div>' for n in s.notes]
     parts.append("</div>")
     return "".join(parts)
@@ -84,6 +86,11 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
 
 def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     if e is None:
+        doubt = clean_doubt(s)
+        if doubt:  # never a green "all clear" the data does not support
+            return (f'<div class="card caution"><b class="warn">nanwatch: no NaN/Inf birth recorded</b> '
+                    f'<span class="muted">({s.ops_checked:,} ops checked, mode {esc(s.mode)})</span>'
+                    f'<div>{esc(doubt)}</div></div>')
         return (f'<div class="card ok"><b class="good">✓ nanwatch: no NaN/Inf born</b> '
                 f'<span class="muted">— every value stayed finite ({s.ops_checked:,} ops checked, '
                 f'mode {esc(s.mode)})</span></div>')
@@ -98,6 +105,21 @@ def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     return (f'<div class="card nw-card"><b class="bad nw-title">{esc(e.title())}</b>'
             f"<table>{body}<tr><th>Stats</th><td>{stats}</td></tr></table></div>")
+
+
+ABSORBED_TITLE = "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler"
+
+
+def clean_doubt(s: NanSummary) -> str:
+    """Why a report without births is not a clean bill of health ("" when it is)."""
+    if any(layer.fwd_finite is False or layer.grad_finite is False for layer in s.layers):
+        if s.absorbed:
+            return "the NaN/Inf values in the table come from the absorbed births listed below."
+        return ("but some layer outputs or gradients below hold NaN/Inf: they were not created by a watched op "
+                "(see the notes), so their birth was not caught.")
+    if s.ops_checked == 0:
+        return "but no op was checked, so this says nothing about the values (see the notes)."
+    return ""
 
 
 def _where(e: NanEvent) -> str:
@@ -121,7 +143,30 @@ def _what(e: NanEvent) -> str:
     return text
 
 
-XX
+def source_html(s: NanSummary) -> str:
+    """The cell around the birth line; lines far from it are folded into a "… N lines" marker."""
+    target = s.first.lineno if s.first is not None else None
+    lines = s.cell_source.splitlines()
+    first = s.source_first_line
+    lo, hi = source_window(len(lines), first, target)
+    out = [f'<span class="gap">… {lo} line{"" if lo == 1 else "s"} above</span>'] if lo else []
+    for i, text in enumerate(lines[lo:hi], start=first + lo):
+        cls = "line hl" if i == target else "line"
+        out.append(f'<span class="{cls}"><span class="muted">{i:>3}</span>  {esc(text)}</span>')
+    if hi < len(lines):
+        rest = len(lines) - hi
+        out.append(f'<span class="gap">… {rest} line{"" if rest == 1 else "s"} below</span>')
+    return f'<pre class="cell nw-source">{"".join(out)}</pre>'
+
+
+def source_window(count: int, first: int, target: Optional[int]) -> tuple[int, int]:
+    """Index range of the lines to show: all of a short cell, else CONTEXT_LINES around the target."""
+    if target is None or count <= 2 * CONTEXT_LINES + 3:
+        return 0, count
+    at = target - first
+    lo = max(0, at - CONTEXT_LINES)
+    hi = min(count, at + CONTEXT_LINES + 1)
+    return (0 if lo <= 2 else lo), (count if count - hi <= 2 else hi)  # never fold just one or two lines
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -130,29 +175,31 @@ def _fmt(v: Optional[float]) -> str:
 
 def _cell(finite: Optional[bool], *values: Optional[float]) -> str:
     if finite is None:
-        return "<td class='muted'>—</td>" * 3
+        return "<td class='muted num'>—</td>" * 3
     if not finite:
         return "<td class='bad' colspan='3'>NaN/Inf</td>"
-    return "".join(f"<td>{_fmt(v)}</td>" for v in values)
+    return "".join(f"<td class='num'>{_fmt(v)}</td>" for v in values)
 
 
 def layers_html(layers: tuple[LayerStats, ...]) -> str:
-    head = ("<tr><th>module</th><th>calls</th><th>act min</th><th>act max</th><th>act mean</th>"
-            "<th>grad min</th><th>grad max</th><th>grad mean</th></tr>")
+    head = ("<tr><th rowspan='2'>module</th><th rowspan='2' class='num'>calls</th><th colspan='3'>activation (output)</th>"
+            "<th colspan='3'>gradient (w.r.t. output)</th></tr><tr>" + "<th class='num'>min</th><th class='num'>max</th>"
+            "<th class='num'>mean</th>" * 2 + "</tr>")
     rows = []
     for layer in layers:
         mark = ' class="mark"' if layer.birth else ""
-        rows.append(f"<tr{mark}><td class='mono'>{esc(layer.module)}{' ◀ birth' if layer.birth else ''}</td>"
-                    f"<td>{layer.calls}</td>{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
+        rows.append(f"<tr{mark}><td class='mono nowrap'>{esc(layer.module)}{' ◀ birth' if layer.birth else ''}</td>"
+                    f"<td class='num'>{layer.calls}</td>{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
                     f"{_cell(layer.grad_finite, layer.grad_min, layer.grad_max, layer.grad_mean)}</tr>")
     return f"<h3>Per-layer activations and gradients</h3><table class='nw-layers'>{head}{''.join(rows)}</table>"
 
 
 def events_html(events: tuple[NanEvent, ...], title: str) -> str:
-    head = "<tr><th>#</th><th>phase</th><th>iter</th><th>kind</th><th>op</th><th>module / parameter</th><th>line</th></tr>"
-    rows = [f"<tr><td>{i + 1}</td><td>{esc(e.phase)}</td><td>{e.iteration}</td><td>{esc(e.kind)}</td>"
+    head = ("<tr><th class='num'>#</th><th>phase</th><th class='num'>iteration</th><th>kind</th><th>op</th>"
+            "<th>module / parameter</th><th class='num'>line</th></tr>")
+    rows = [f"<tr><td class='num'>{i + 1}</td><td>{esc(_PHASE_LABEL.get(e.phase, e.phase))}</td><td class='num'>{e.iteration}</td><td class='bad'>{esc(_KIND_LABEL.get(e.kind, e.kind))}</td>"
             f"<td class='mono'>{esc(e.op)}</td><td class='mono'>{esc(e.module or e.param or '')}</td>"
-            f"<td>{'' if e.lineno is None else e.lineno}</td></tr>" for i, e in enumerate(events)]
+            f"<td class='num'>{'' if e.lineno is None else e.lineno}</td></tr>" for i, e in enumerate(events)]
     return f"<h3>{esc(title)}</h3><table class='nw-events'>{head}{''.join(rows)}</table>"
 
 

@@ -21,6 +21,12 @@ function fmt(v, approx) {
   return (approx ? "≈" : "") + t;
 }
 
+// Counts (zeros, NaN, Inf) as whole numbers: "1,024", not "1.02e+3".
+function fmtCount(v, approx) {
+  if (v === null || v === undefined || !Number.isFinite(v)) return "—";
+  return (approx ? "≈" : "") + Math.round(v).toLocaleString("en-US");
+}
+
 function h(tag, attrs, ...kids) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -65,7 +71,7 @@ function render({ model, el }) {
   const sliderS = h("input", { type: "range", min: "0", max: String(Math.max(nS - 1, 0)), class: "tnd-step-slider" });
   const stepLabel = h("span", { class: "tnd-step-name" });
   const logBox = h("input", { type: "checkbox", class: "tnd-log" });
-  const detail = h("div", { class: "tnd-detail card ok" });
+  const detail = h("div", { class: "tnd-detail card info" });
   const stepRow = h("div", { style: nS > 1 ? "" : "display:none" }, "step ", prevS, sliderS, nextS, " ", stepLabel);
   root.append(title, flowBox, heatBox,
     h("div", {}, "layer ", prevL, sliderL, nextL, " ", layerLabel, "  ", h("label", {}, logBox, " log counts")),
@@ -78,17 +84,20 @@ function render({ model, el }) {
   const setStep = (st) => { model.set("step", clamp(st, nS)); model.save_changes(); };
 
   function drawFlow(st, cur) {
-    const w = Math.max(8, Math.min(40, Math.floor(640 / Math.max(nL, 1)))), H = 140, left = 44;
+    const w = Math.max(8, Math.min(40, Math.floor(640 / Math.max(nL, 1)))), H = 140, left = 58;
     const vals = [];
     for (let l = 0; l < nL; l++) for (const k of [1, 2]) { const v = flowAt(st, l, k); if (v > 0 && isFinite(v)) vals.push(v); }
     let lo = vals.length ? Math.floor(Math.log10(Math.min(...vals))) : -8;
     let hi = vals.length ? Math.ceil(Math.log10(Math.max(...vals))) : 0;
     if (hi <= lo) hi = lo + 1;
     const y = (v) => (v > 0 && isFinite(v)) ? H - (Math.log10(v) - lo) / (hi - lo) * H + 6 : H + 6;
-    const svg = s("svg", { width: left + nL * w + 10, height: H + 22, class: "tnd-flow" });
+    const svg = s("svg", { width: Math.max(left + nL * w + 10, 260), height: H + 44, class: "tnd-flow plot", "font-family": "sans-serif" });
+    const label = (x, y, text, extra) => { const t = s("text", { x, y, "font-size": 10, "text-anchor": "middle", fill: "#57606a", ...extra }); t.textContent = text; svg.append(t); };
+    label(11, H / 2 + 6, "|gradient| (log scale)", { transform: `rotate(-90 11 ${H / 2 + 6})` });
+    label(left + nL * w / 2, H + 40, "layer # (click one)");
     for (let e = lo; e <= hi; e++) {
       svg.append(s("line", { x1: left, x2: left + nL * w, y1: y(10 ** e), y2: y(10 ** e), stroke: "#eaeef2" }));
-      const t = s("text", { x: left - 4, y: y(10 ** e) + 4, "font-size": 10, "text-anchor": "end" });
+      const t = s("text", { x: left - 4, y: y(10 ** e) + 4, "font-size": 10, "text-anchor": "end", fill: "#57606a" });
       t.textContent = "1e" + e; svg.append(t);
     }
     const flagged = {};
@@ -97,7 +106,18 @@ function render({ model, el }) {
       const x = left + l * w;
       const colour = flagged[l] ? meta.colours[flagged[l][0]] : "#1f6feb";
       const g = s("g", { class: "tnd-flow-layer", "data-layer": l, style: "cursor:pointer" });
-      g.append(s("rect", { x, y: 0, width: w, height: H + 20, fill: l === cur ? "#fff8c5" : "transparent" }));
+      g.append(s("rect", { x, y: 0, width: w, height: H + 32, fill: l === cur ? "#fff3bf" : "transparent" }));
+      if (!(isFinite(flowAt(st, l, 1)) && isFinite(flowAt(st, l, 2)))) {  // nothing to draw: say why, in red
+        g.append(s("rect", { x: x + 2, y: 6, width: w - 4, height: H, fill: "#cf222e", opacity: 0.12 }));
+        const t = s("text", { x: x + w / 2, y: H / 2 + 6, "font-size": 9, "text-anchor": "middle", fill: "#cf222e", transform: `rotate(-90 ${x + w / 2} ${H / 2 + 6})` });
+        t.textContent = "NaN/Inf"; g.append(t);
+      }
+      if (nL <= 40 || l % Math.max(1, Math.floor(nL / 20)) === 0) {
+        const n = s("text", { x: x + w / 2, y: H + 18, "font-size": 9, "text-anchor": "middle", fill: "#57606a" }); n.textContent = String(l); g.append(n);
+      }
+      if (flagged[l]) {
+        const m = s("text", { x: x + w / 2, y: H + 29, "font-size": 10, "font-weight": "bold", "text-anchor": "middle", fill: colour }); m.textContent = "!"; g.append(m);
+      }
       [[flowAt(st, l, 2), 0.35], [flowAt(st, l, 1), 1]].forEach(([v, op]) => {
         if (v > 0 && isFinite(v)) g.append(s("rect", { x: x + 2, y: y(v), width: w - 4, height: H + 6 - y(v), fill: colour, "fill-opacity": op }));
       });
@@ -108,7 +128,7 @@ function render({ model, el }) {
       g.addEventListener("click", () => setLayer(l));
       svg.append(g);
     }
-    flowBox.replaceChildren(h("div", { class: "muted" }, "gradient flow: mean |g| (dark) and max |g| (light) per layer, log scale; click a layer"), svg);
+    flowBox.replaceChildren(h("div", {}, h("b", {}, "gradient flow "), h("span", { class: "muted" }, "per layer at this step: dark bar = mean |g|, light bar = max |g|, log scale; ! = flagged; click a layer")), svg);
   }
 
   function drawHeat(st, cur) {
@@ -119,51 +139,70 @@ function render({ model, el }) {
     let lo = Infinity, hi = -Infinity;
     for (let t = 0; t < nS; t++) for (let l = 0; l < nL; l++) { const v = flowAt(t, l, 0); if (v > 0 && isFinite(v)) { lo = Math.min(lo, Math.log10(v)); hi = Math.max(hi, Math.log10(v)); } }
     const stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+    const badCell = new Uint8Array(nS * nL);  // NaN/Inf gradients: red, not blank like "no gradient"
+    for (const f of meta.flags) if (f[0] === "non-finite" && f[2] < nS && f[1] < nL) badCell[f[2] * nL + f[1]] = 1;
     for (let t = 0; t < nS; t++) for (let l = 0; l < nL; l++) {
       const v = flowAt(t, l, 0);
-      if (!(v > 0 && isFinite(v))) { ctx.fillStyle = isNaN(v) ? "#fff" : "#cf222e"; ctx.fillRect(t * cw, l * ch, cw, ch); continue; }
+      const bad = badCell[t * nL + l];
+      if (bad || !(v > 0 && isFinite(v))) { ctx.fillStyle = bad || v === Infinity ? "#cf222e" : "#fff"; ctx.fillRect(t * cw, l * ch, cw, ch); continue; }
       const p = (hi > lo ? (Math.log10(v) - lo) / (hi - lo) : 0.5) * (stops.length - 1);
       const i = Math.min(Math.floor(p), stops.length - 2), f = p - i;
       const c = stops[i].map((a, k) => Math.round(a * (1 - f) + stops[i + 1][k] * f));
       ctx.fillStyle = `rgb(${c})`; ctx.fillRect(t * cw, l * ch, cw, ch);
     }
-    ctx.strokeStyle = "#cf222e"; ctx.strokeRect(st * cw + 0.5, cur * ch + 0.5, cw - 1, ch - 1);
+    // The current cell: a white frame inside a black one reads on every colour, red (NaN) included.
+    ctx.lineWidth = 2; ctx.strokeStyle = "#000"; ctx.strokeRect(st * cw + 1, cur * ch + 1, cw - 2, ch - 2);
+    ctx.lineWidth = 1; ctx.strokeStyle = "#fff"; ctx.strokeRect(st * cw + 2.5, cur * ch + 2.5, cw - 5, ch - 5);
     canvas.addEventListener("click", (e) => {
       const r = canvas.getBoundingClientRect();
       setStep(Math.floor((e.clientX - r.left) / r.width * nS));
       setLayer(Math.floor((e.clientY - r.top) / r.height * nL));
     });
-    heatBox.replaceChildren(h("div", { class: "muted" }, `gradient norm, layers × steps (log colour; 1e${lo.toFixed(1)}…1e${hi.toFixed(1)}); click a cell`), canvas);
+    const ramp = `linear-gradient(to right, ${stops.map((c) => `rgb(${c})`).join(", ")})`;
+    const scale = isFinite(lo) ? h("div", { class: "legend muted" }, "‖g‖ colour: ", h("span", { class: "mono" }, fmt(10 ** lo)), " ",
+      h("span", { style: `display:inline-block;width:120px;height:10px;vertical-align:-1px;background:${ramp}` }), " ",
+      h("span", { class: "mono" }, fmt(10 ** hi)), " (log)  ", h("span", { class: "swatch", style: "background:#cf222e" }), "NaN/Inf  ",
+      h("span", { class: "swatch", style: "background:#fff" }), "no gradient") : "";
+    heatBox.replaceChildren(h("div", { style: "margin-top:8px" }, h("b", {}, "gradient norm, layers × steps "),
+      h("span", { class: "muted" }, `(rows = layers, #0 at the top; columns = steps ${meta.steps[0]}…${meta.steps[nS - 1]}, left to right); click a cell`)), canvas, scale);
   }
 
   function histSvg(row, p, log) {
     const W = 256, H = 70, off = (row * nP + p) * B;
     const counts = Array.from(hist.subarray(off, off + B)).map((c) => (log ? Math.log10(c + 1) : c));
     const top = Math.max(...counts, 1e-12), bw = W / B;
-    const svg = s("svg", { width: W, height: H + 14, class: "tnd-hist", "data-param": meta.params[p].name });
+    const svg = s("svg", { width: W, height: H + 14, class: "tnd-hist plot", "data-param": meta.params[p].name, "font-family": "sans-serif" });
     counts.forEach((c, i) => { if (c > 0) svg.append(s("rect", { x: i * bw, y: H - c / top * H, width: Math.max(bw - 0.5, 0.5), height: c / top * H, fill: "#1f6feb" })); });
     const lo = range[(row * nP + p) * 2], hi = range[(row * nP + p) * 2 + 1];
-    const a = s("text", { x: 0, y: H + 12, "font-size": 10 }); a.textContent = fmt(lo);
-    const b = s("text", { x: W, y: H + 12, "font-size": 10, "text-anchor": "end" }); b.textContent = fmt(hi);
+    svg.append(s("line", { x1: 0, x2: W, y1: H, y2: H, stroke: "#8c959f" }));
+    const a = s("text", { x: 0, y: H + 12, "font-size": 10, fill: "#57606a" }); a.textContent = fmt(lo);
+    const b = s("text", { x: W, y: H + 12, "font-size": 10, "text-anchor": "end", fill: "#57606a" }); b.textContent = fmt(hi);
     svg.append(a, b);
+    if (lo < 0 && hi > 0) {  // where zero falls: a gradient centred off zero is worth seeing
+      const zx = -lo / (hi - lo) * W;
+      svg.append(s("line", { x1: zx, x2: zx, y1: 0, y2: H, stroke: "#57606a", "stroke-dasharray": "2 2" }));
+      const z = s("text", { x: zx, y: H + 12, "font-size": 10, "text-anchor": "middle", fill: "#57606a" }); z.textContent = "0"; svg.append(z);
+    }
     return svg;
   }
 
   function drawDetail(st, l, log) {
     const layer = meta.layers[l];
-    const kids = [h("b", { class: "mono" }, layer.name), ` (${layer.kind}) — layer ${l + 1} of ${nL}`];
-    for (const f of flagsAt(st).filter((f) => f[1] === l)) kids.push(h("div", { class: "tnd-flag", style: `color:${meta.colours[f[0]]}` }, `${f[0]}: ${f[3]}`));
+    const kids = [h("b", { class: "mono" }, layer.name), ` (${layer.kind}) — layer #${l} (${l + 1} of ${nL})`];
+    const mine = flagsAt(st).filter((f) => f[1] === l);
+    detail.className = "tnd-detail " + (mine.some((f) => f[0] === "non-finite") ? "card" : mine.length ? "card caution" : "card info");
+    for (const f of mine) kids.push(h("div", { class: "tnd-flag", style: `color:${meta.colours[f[0]]}` }, `${f[0]}: ${f[3]}`));
     const row = meta.hist_rows.indexOf(st);
     for (const p of layer.params) {
       const info = meta.params[p], ex = meta.exact[st][p] === 1;
       const v = (f) => stat(st, p, f);
       const cells = stat(st, p, "has_grad") > 0
         ? [["norm", fmt(v("norm"))], ["mean", fmt(v("mean"))], ["std", fmt(v("std"))], ["max |g|", fmt(v("max_abs"))],
-           ["zeros", fmt(v("zeros"), !ex)], ["NaN", fmt(v("nan"), !ex)], ["Inf", fmt(v("inf"), !ex)],
+           ["zeros", fmtCount(v("zeros"), !ex)], ["NaN", fmtCount(v("nan"), !ex)], ["Inf", fmtCount(v("inf"), !ex)],
            ["‖w‖", fmt(v("param_norm"))], ["‖Δw‖/‖w‖", fmt(v("update_ratio"), !ex)]]
         : [["gradient", info.requires_grad ? "none" : "frozen (requires_grad=False)"], ["‖w‖", fmt(v("param_norm"))]];
-      const table = h("table", { class: "tnd-stats" }, h("tr", {}, ...cells.map(([k]) => h("th", {}, k))), h("tr", {}, ...cells.map(([, x]) => h("td", {}, x))));
-      const block = h("div", { class: "tnd-param" }, h("div", { class: "mono" }, `${info.short} [${info.shape.join(", ")}] ${info.dtype}`), table);
+      const table = h("table", { class: "tnd-stats" }, h("tr", {}, ...cells.map(([k]) => h("th", { class: "num" }, k))), h("tr", {}, ...cells.map(([, x]) => h("td", { class: "num" }, x))));
+      const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), table);
       if (row >= 0 && !Number.isNaN(range[(row * nP + p) * 2])) block.append(histSvg(row, p, log));
       else block.append(h("div", { class: "muted" }, "no histogram kept for this step"));
       kids.push(block);

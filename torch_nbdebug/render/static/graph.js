@@ -35,7 +35,8 @@ function detailRows(d) {
   const rows = [];
   const add = (k, v) => {
     if (v === undefined || v === null || v === "" || (Array.isArray(v) && !v.length)) return;
-    rows.push(h("tr", {}, h("th", {}, k), h("td", {}, Array.isArray(v) ? v.join("\n") : String(v))));
+    // pre-line: a list (inputs, users, outputs) shows one entry per line
+    rows.push(h("tr", {}, h("th", {}, k), h("td", { style: "white-space:pre-line" }, Array.isArray(v) ? v.join("\n") : String(v))));
   };
   if (d.kind === "group") {
     add("module", d.module || d.label); add("class", d.type); add("repeated", d.repeat);
@@ -56,7 +57,8 @@ export default {
     const status = h("span", { class: "muted tnd-graph-status" });
     const search = h("input", { type: "search", placeholder: "find node or parameter…", class: "tnd-graph-search",
                                 style: "width:220px" });
-    const results = h("div", { class: "tnd-graph-results", style: "position:absolute;z-index:5;background:#fff;" +
+    const results = h("div", { class: "tnd-graph-results", style: "position:absolute;z-index:5;" +
+                               "background:var(--jp-layout-color1, #fff);color:var(--jp-ui-font-color1, #1f2328);" +
                                "border:1px solid #d0d7de;max-height:240px;overflow:auto;display:none" });
     const stage = h("div", { class: "tnd-graph-stage", style: "transform-origin:0 0" });
     const port = h("div", { class: "tnd-graph-port", style: "position:relative;overflow:hidden;height:560px;" +
@@ -78,8 +80,15 @@ export default {
       button("SVG", () => download("graph.svg", new Blob([model.get("svg")], { type: "image/svg+xml" }))),
       button("PNG", () => svgPng(model.get("svg"), (b) => download("graph.png", b))),
       button("DOT", () => model.send({ type: "dot" })), status);
+    const legend = h("div", { class: "legend muted tnd-graph-legend" });
+    for (const [fill, stroke, label] of [["#dafbe1", "#2da44e", "input"], ["#cfe8fc", "#218bff", "parameter"],
+      ["#eef0f3", "#8c959f", "op"], ["#a6e3a1", "#1a7f37", "output"], ["#fff8e1", "#bf8700", "module (click to open)"],
+      ["#f6f0ff", "#8250df", "chunk of ops"], ["#ffebe9", "#cf222e", "first NaN/Inf"]]) {
+      legend.append(h("span", {}, h("span", { class: "swatch", style: `background:${fill};border-color:${stroke}` }), label));
+    }
+    legend.append(h("span", {}, "drag to pan · wheel to zoom · click a node for details"));
     const root = h("div", { class: "tnd tnd-graph-widget" },
-      h("div", { class: "muted tnd-graph-summary" }), toolbar,
+      h("div", { class: "muted tnd-graph-summary" }), toolbar, legend,
       h("div", { style: "display:flex;gap:8px;align-items:flex-start" }, h("div", { style: "flex:1;min-width:0" }, port), panel));
     el.append(root);
 

@@ -1,7 +1,7 @@
 // torch_nbdebug memory views (plain ES module: no bundler, no CDN).
 // Timeline: the kernel holds the full series; we set `x_range` and draw the decimated `view` it sends.
 const NS = "http://www.w3.org/2000/svg";
-const W = 760, H = 260, L = 64, R = 12, T = 18, B = 28;
+const W = 760, H = 270, L = 78, R = 12, T = 18, B = 32;
 
 function fmtBytes(n) {
   if (n === null || n === undefined) return "-";
@@ -10,6 +10,16 @@ function fmtBytes(n) {
     if (v < 1024 || u === "GiB") return sign + (u === "B" ? v.toFixed(0) : v.toFixed(1)) + " " + u;
     v /= 1024;
   }
+}
+// Round byte values for the y axis: 1/2/2.5/5 × a power of ten in the largest unit that fits.
+function niceTicks(top, count = 4) {
+  if (!(top > 0)) return [0];
+  const unit = 1024 ** Math.min(3, Math.max(0, Math.floor(Math.log(Math.max(top, 1)) / Math.log(1024))));
+  const raw = top / unit / count, mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((m) => m >= raw) * unit;
+  const out = [];
+  for (let k = 0; k * step <= top; k++) out.push(k * step);
+  return out;
 }
 function svg(tag, attrs, parent) {
   const e = document.createElementNS(NS, tag);
@@ -31,18 +41,20 @@ function where(l) {  // notebook cells are compiled from temporary files whose n
 }
 function lineOf(a) { return a.line ? where(a.line) : ""; }
 
-function allocTable(parent, allocs, labels, cats, detail) {
+function allocTable(parent, allocs, labels, cats, colors, detail) {
   const table = html("table", {}, parent);
   const head = html("tr", {}, table);
-  for (const h of ["bytes", "tensor", "category", "held by", "module", "line"]) html("th", {}, head, h);
+  for (const h of ["size", "tensor", "category", "held by", "module", "allocated at"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
   for (const a of allocs) {
     const tr = html("tr", { class: "alloc" }, table);
-    html("td", {}, tr, fmtBytes(a.nbytes));
-    html("td", { class: "mono" }, tr, shape(a));
-    html("td", {}, tr, labels[cats.indexOf(a.category)] || a.category);
+    html("td", { class: "num" }, tr, fmtBytes(a.nbytes));
+    html("td", { class: "mono nowrap" }, tr, shape(a));
+    const cat = html("td", { class: "nowrap" }, tr);
+    html("span", { class: "swatch", style: `background:${colors[cats.indexOf(a.category)]}` }, cat);
+    cat.appendChild(document.createTextNode(labels[cats.indexOf(a.category)] || a.category));
     html("td", { class: "mono" }, tr, a.holder || "");
     html("td", { class: "mono" }, tr, a.module || "");
-    html("td", { class: "mono" }, tr, lineOf(a));
+    html("td", { class: "mono src", title: lineOf(a) }, tr, lineOf(a));
     tr.addEventListener("mouseenter", () => {
       tr.classList.add("hl");
       detail.textContent = `${fmtBytes(a.nbytes)} ${shape(a)} · ${a.category} · op ${a.op || "-"} · phase ${a.phase}` +
@@ -66,30 +78,33 @@ function renderTimeline(model, el) {
   }
   const rangeLabel = html("span", { class: "range muted" }, bar);
   const chart = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-size": 10,
-                             "font-family": "sans-serif", class: "chart" }, root);
+                             "font-family": "sans-serif", class: "chart plot" }, root);
   const tip = html("div", { class: "mono tip" }, root, " ");
   tip.style.minHeight = "1.4em";
-  const legend = html("div", { class: "muted" }, root);
-  meta.labels.forEach((label, i) => {
-    const s = html("span", {}, legend); s.style.marginRight = "10px";
-    const sw = html("span", {}, s); Object.assign(sw.style, { display: "inline-block", width: "10px", height: "10px", background: meta.colors[i] });
-    s.appendChild(document.createTextNode(" " + label));
-  });
-  for (const [p, c] of Object.entries(meta.phase_colors)) {
-    const s = html("span", {}, legend); s.style.marginRight = "10px";
-    const sw = html("span", {}, s); Object.assign(sw.style, { display: "inline-block", width: "10px", height: "10px", background: c, border: "1px solid #ccc" });
-    s.appendChild(document.createTextNode(" " + p));
-  }
+  const legend = html("div", { class: "legend muted" }, root);
+  const key = (colour, label) => {
+    const s = html("span", {}, legend);
+    html("span", { class: "swatch", style: `background:${colour}` }, s);
+    s.appendChild(document.createTextNode(label));
+  };
+  meta.labels.forEach((label, i) => key(meta.colors[i], label));
+  html("br", {}, legend);
+  for (const [p, c] of Object.entries(meta.phase_colors)) key(c, `${p} (shading)`);
+  html("span", {}, legend, "┆ iteration start");
+  html("span", { style: "color:#cf222e" }, legend, "│ peak");
+  html("span", {}, legend, "drag across the chart to zoom");
   html("h3", {}, root, "Largest allocations alive at the highest point of the visible range");
   const detail = html("div", { class: "mono muted detail" }, root, "hover a row for details");
   const tableBox = html("div", {}, root);
   const leakBox = html("div", {}, root);
   for (const leak of meta.leaks) {
     const card = html("div", { class: "card" }, leakBox);
+    html("b", {}, card, "Leak: ");
     html("b", { class: "mono" }, card, leak.holder);
-    card.appendChild(document.createTextNode(` holds ${leak.count} tensor(s), ${fmtBytes(leak.nbytes)}` +
-      (leak.has_graph ? " — autograd graph attached" : "")));
-    if (leak.line) html("div", { class: "mono" }, card, `allocated at ${where(leak.line)}`);
+    card.appendChild(document.createTextNode(` holds ${leak.count.toLocaleString("en-US")} tensor(s), ${fmtBytes(leak.nbytes)}`));
+    if (leak.has_graph) { card.appendChild(document.createTextNode(" — ")); html("span", { class: "bad" }, card, "autograd graph attached"); }
+    if (leak.names && leak.names.length) html("div", { class: "muted mono" }, card, leak.names.join(", "));
+    if (leak.line) html("div", { class: "mono src" }, card, `allocated at ${where(leak.line)}`);
     if (leak.note) html("div", {}, card, leak.note);
   }
 
@@ -154,21 +169,27 @@ function renderTimeline(model, el) {
     }
     svg("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, stroke: "#57606a" }, chart);
     svg("line", { x1: L, x2: L, y1: T, y2: H - B, stroke: "#57606a" }, chart);
+    for (const b of niceTicks(ymax / 1.08)) {
+      svg("line", { x1: L - 3, x2: L, y1: sy(b), y2: sy(b), stroke: "#57606a" }, chart);
+      svg("text", { x: L - 5, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = fmtBytes(b).replace(".0 ", " ");
+    }
+    const mid = (T + H - B) / 2;
+    svg("text", { x: 11, y: mid, "text-anchor": "middle", fill: "#57606a", transform: `rotate(-90 11 ${mid})` }, chart).textContent = "memory allocated";
+    svg("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", fill: "#57606a" }, chart).textContent =
+      "allocation/free events, in order (dashed lines: iteration starts)" + (v.reserved ? "; dashed black: reserved" : "");
     for (let k = 0; k <= 4; k++) {
-      const b = ymax / 1.08 * k / 4;
-      svg("text", { x: L - 4, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = fmtBytes(b);
       const s = Math.round(lo + (hi - lo) * k / 4);
       svg("text", { x: sx(s), y: H - B + 12, "text-anchor": "middle", fill: "#57606a", class: "xtick" }, chart).textContent = s;
     }
     if (meta.peak.step >= lo && meta.peak.step <= hi) {
       const px = sx(meta.peak.step);
       svg("line", { x1: px, x2: px, y1: T, y2: H - B, stroke: "#cf222e" }, chart);
-      svg("text", { x: Math.min(px + 4, W - 120), y: T - 4, fill: "#cf222e" }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
+      svg("text", { x: Math.min(px + 4, W - 120), y: T - 5, fill: "#cf222e", "font-weight": 600 }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
     }
     svg("line", { class: "cursor", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
     svg("rect", { class: "brush", x: 0, y: T, width: 0, height: H - T - B, fill: "#0969da", "fill-opacity": 0.15 }, chart);
     tableBox.replaceChildren();
-    allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, detail);
+    allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, meta.colors, detail);
   }
 
   const toStep = (evt) => {
@@ -219,7 +240,14 @@ function renderState(model, el) {
   html("h3", {}, root, meta.title);
   if (meta.note) html("div", { class: "warn" }, root, meta.note);
   const bar = html("div", {}, root);
-  Object.assign(bar.style, { display: "flex", height: "16px", width: "600px", border: "1px solid #d0d7de" });
+  Object.assign(bar.style, { display: "flex", height: "16px", maxWidth: "600px", border: "1px solid #d0d7de", margin: "4px 0" });
+  const keys = html("div", { class: "legend muted" }, root);
+  meta.categories.forEach((c, i) => {
+    if (!st.by_category[c]) return;
+    const s = html("span", {}, keys);
+    html("span", { class: "swatch", style: `background:${meta.colors[i]}` }, s);
+    s.appendChild(document.createTextNode(`${meta.labels[i]} ${fmtBytes(st.by_category[c])}`));
+  });
   const tip = html("div", { class: "mono muted" }, root, "hover the bar or a row");
   const total = Math.max(st.live_bytes, 1);
   meta.categories.forEach((c, i) => {
@@ -234,12 +262,12 @@ function renderState(model, el) {
   const fill = () => {
     table.replaceChildren();
     const head = html("tr", {}, table);
-    for (const h of ["bytes", "tensor", "category", "held by", "graph"]) html("th", {}, head, h);
+    for (const h of ["size", "tensor", "category", "held by", "autograd graph"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
     for (const t of st.top.filter((t) => t.name.includes(filter.value))) {
       const tr = html("tr", {}, table);
-      html("td", {}, tr, fmtBytes(t.nbytes)); html("td", { class: "mono" }, tr, shape(t));
+      html("td", { class: "num" }, tr, fmtBytes(t.nbytes)); html("td", { class: "mono nowrap" }, tr, shape(t));
       html("td", {}, tr, meta.labels[meta.categories.indexOf(t.category)]); html("td", { class: "mono" }, tr, t.name);
-      html("td", {}, tr, t.has_graph ? "yes" : "");
+      html("td", { class: t.has_graph ? "bad" : "" }, tr, t.has_graph ? "yes" : "");
       tr.addEventListener("mouseenter", () => { tip.textContent = `${t.name}: ${fmtBytes(t.nbytes)} ${shape(t)} on ${t.device}`; });
     }
   };

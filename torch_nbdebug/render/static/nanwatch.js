@@ -2,6 +2,8 @@
 // birth row marked, and every event (click one to show it in the card). Plain ES module, no deps.
 
 const PHASE = { forward: "forward", backward: "backward", optimizer: "optimizer step", input: "input data" };
+const KIND = { nan: "NaN", inf: "Inf" };
+const CONTEXT = 6; // lines shown either side of the birth line (same as the static view)
 
 function h(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -29,10 +31,26 @@ function brief(s) {
   return t;
 }
 
+// Why a report without births is not a clean bill of health ("" when it is); same rule as the static view.
+function cleanDoubt(report) {
+  if ((report.layers || []).some((l) => l.fwd_finite === false || l.grad_finite === false)) {
+    if ((report.absorbed || []).length) return "the NaN/Inf values in the table come from the absorbed births listed below.";
+    return "but some layer outputs or gradients below hold NaN/Inf: they were not created by a watched op " +
+      "(see the notes), so their birth was not caught.";
+  }
+  if (!report.ops_checked) return "but no op was checked, so this says nothing about the values (see the notes).";
+  return "";
+}
+
 function card(e, report) {
   if (!e) {
-    return h("div", { class: "card ok nw-card" }, h("b", {}, "nanwatch: no NaN/Inf born"),
-      h("span", { class: "muted" }, ` (${report.ops_checked} ops checked, mode ${report.mode})`));
+    const doubt = cleanDoubt(report);
+    if (doubt) {  // never a green "all clear" the data does not support
+      return h("div", { class: "card caution nw-card" }, h("b", { class: "warn" }, "nanwatch: no NaN/Inf birth recorded"),
+        h("span", { class: "muted" }, ` (${(report.ops_checked || 0).toLocaleString()} ops checked, mode ${report.mode})`), h("div", {}, doubt));
+    }
+    return h("div", { class: "card ok nw-card" }, h("b", { class: "good" }, "✓ nanwatch: no NaN/Inf born"),
+      h("span", { class: "muted" }, ` — every value stayed finite (${(report.ops_checked || 0).toLocaleString()} ops checked, mode ${report.mode})`));
   }
   const where = [];
   if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
@@ -64,27 +82,41 @@ function source(report, e) {
   if (!src.text) return null;
   const same = !!own || !e.filename || e.filename === report.cell_filename;
   const lines = src.text.split("\n");
-  return h("pre", { class: "cell nw-source" }, lines.map((text, i) => {
-    const n = i + src.first_line;
+  if (lines.length && lines[lines.length - 1] === "") lines.pop();
+  const [lo, hi] = same ? windowOf(lines.length, src.first_line, e.lineno) : [0, lines.length];
+  const gap = (k, where) => h("span", { class: "gap" }, `… ${k} line${k === 1 ? "" : "s"} ${where}`);
+  return h("pre", { class: "cell nw-source" }, lo ? gap(lo, "above") : null, lines.slice(lo, hi).map((text, i) => {
+    const n = i + lo + src.first_line;
     const hl = same && n === e.lineno;
     return h("span", { class: hl ? "line hl" : "line", "data-line": String(n) },
       h("span", { class: "muted" }, String(n).padStart(3, " ")), "  ", text);
-  }));
+  }), hi < lines.length ? gap(lines.length - hi, "below") : null);
+}
+
+// All of a short cell, else CONTEXT lines around the target; never fold just one or two lines.
+function windowOf(count, first, target) {
+  if (target === null || target === undefined || count <= 2 * CONTEXT + 3) return [0, count];
+  const at = target - first;
+  let lo = Math.max(0, at - CONTEXT), hi = Math.min(count, at + CONTEXT + 1);
+  if (lo <= 2) lo = 0;
+  if (count - hi <= 2) hi = count;
+  return [lo, hi];
 }
 
 function statCells(finite, values) {
-  if (finite === null || finite === undefined) return values.map(() => h("td", { class: "muted" }, "—"));
+  if (finite === null || finite === undefined) return values.map(() => h("td", { class: "muted num" }, "—"));
   if (!finite) return [h("td", { class: "bad", colspan: "3" }, "NaN/Inf")];
-  return values.map((v) => h("td", {}, fmt(v)));
+  return values.map((v) => h("td", { class: "num" }, fmt(v)));
 }
 
 function layers(report, e) {
   if (!report.layers.length) return null;
   const target = e ? e.module : null;
-  const head = h("tr", {}, ["module", "calls", "act min", "act max", "act mean", "grad min", "grad max", "grad mean"]
-    .map((c) => h("th", {}, c)));
+  const head = [h("tr", {}, h("th", { rowspan: "2" }, "module"), h("th", { rowspan: "2", class: "num" }, "calls"),
+    h("th", { colspan: "3" }, "activation (output)"), h("th", { colspan: "3" }, "gradient (w.r.t. output)")),
+  h("tr", {}, ["min", "max", "mean", "min", "max", "mean"].map((c) => h("th", { class: "num" }, c)))];
   const rows = report.layers.map((l) => h("tr", { class: l.module === target ? "mark" : "" },
-    h("td", { class: "mono" }, l.module, l.module === target ? " ◀ birth" : ""), h("td", {}, String(l.calls)),
+    h("td", { class: "mono nowrap" }, l.module, l.module === target ? " ◀ birth" : ""), h("td", { class: "num" }, String(l.calls)),
     statCells(l.fwd_finite, [l.fwd_min, l.fwd_max, l.fwd_mean]),
     statCells(l.grad_finite, [l.grad_min, l.grad_max, l.grad_mean])));
   return [h("h3", {}, "Per-layer activations and gradients"), h("table", { class: "nw-layers" }, head, rows)];
@@ -92,12 +124,14 @@ function layers(report, e) {
 
 function events(report, selected, select) {
   if (!report.events.length) return null;
-  const head = h("tr", {}, ["#", "phase", "iter", "kind", "op", "module / parameter", "line"].map((c) => h("th", {}, c)));
+  const numeric = [true, false, true, false, false, false, true];
+  const head = h("tr", {}, ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
+    .map((c, k) => h("th", { class: numeric[k] ? "num" : "" }, c)));
   const rows = report.events.map((e, i) => h("tr", {
     class: i === selected ? "mark nw-event" : "nw-event", style: "cursor: pointer", title: "show in the card",
     onclick: () => select(i),
-  }, [String(i + 1), e.phase, String(e.iteration), e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
-    .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : "" }, String(c)))));
+  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
+    .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : k === 3 ? "bad" : numeric[k] ? "num" : "" }, String(c)))));
   return [h("h3", {}, `All births (${report.events.length})`), h("table", { class: "nw-events" }, head, rows)];
 }
 
@@ -113,7 +147,7 @@ export default {
       const select = (i) => { model.set("selected", i); model.save_changes(); };
       root.replaceChildren(...[card(e, report), source(report, e), layers(report, e), events(report, selected, select),
         report.absorbed.length ? h("div", { class: "muted" },
-          "Thrown away by torch.where / masked_fill (forward stayed finite): ",
+          "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler: ",
           report.absorbed.map((a) => `${a.op} at line ${a.lineno}`).join("; ")) : null,
         ...report.notes.map((t) => h("div", { class: "muted" }, `note: ${t}`))].flat().filter(Boolean));
     };
