@@ -341,3 +341,16 @@ def test_leaked_graph_claims_inputs_saved_by_a_later_op() -> None:
     normalized = [a for a in tl.allocations if a.end is None and a.module == "model.0" and a.shape == (8, 16)]
     assert len(normalized) == 3 and {a.category for a in normalized} == {"activations"}
     assert {a.id for a in normalized} <= set(tl.leaks[0].allocation_ids)
+
+
+def test_a_leaked_loss_claims_the_targets_its_graph_saved() -> None:
+    """``cross_entropy`` saves its target (made outside any module, needing no grad): a loss kept in a
+    list keeps that target alive, so it belongs to the list's leak, named through the loss's graph."""
+    ns: dict[str, Any] = {"model": nn.Linear(16, 4), "F": F}
+    tl = run("kept = []\nfor _ in range(3):\n"
+             "    kept.append(F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))))\n", ns)
+    assert [leak.holder for leak in tl.leaks] == ["kept"], tl.text()
+    targets = [a for a in tl.allocations if a.end is None and a.dtype == "int64" and a.shape == (8,)]
+    assert len(targets) == 3 and all(a.holder.endswith(".grad_fn") for a in targets)
+    assert {a.category for a in targets} == {"activations"}
+    assert {a.id for a in targets} <= set(tl.leaks[0].allocation_ids)

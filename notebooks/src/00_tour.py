@@ -129,7 +129,7 @@ for step in range(8):
 # %%
 trace = %grads -o model
 print("loss now:", round(loss.item(), 4), "| layers:", trace.layers)
-assert torch.isfinite(loss) and not [f for f in trace.flags if f.kind == "nonfinite"]
+assert torch.isfinite(loss) and not [f for f in trace.flags if f.kind == "non-finite"]
 
 # %% [markdown]
 # ## `%%cudamem`: find the leak
@@ -163,7 +163,7 @@ with torch.no_grad(), torch_nbdebug.memory_timeline() as fixed:
 print("before:", [(leak.holder, leak.count, leak.has_graph) for leak in leaky.leaks])
 print("after: ", fixed.leaks)
 held = {leak.holder: leak for leak in leaky.leaks}
-assert "val_losses" in held and held["val_losses"].has_graph
+assert list(held) == ["val_losses"] and held["val_losses"].has_graph  # the graphs' saved tensors too
 assert not fixed.leaks
 
 # %% [markdown]

@@ -17,6 +17,9 @@ import numpy as np
 from torch_nbdebug.data.source import SourceLine
 
 # Stacking order of the timeline, bottom to top: what persists first, what comes and goes last.
+# Holder names of tensors that a held tensor's autograd graph saved for backward end with this
+# (``val_losses[2].grad_fn``): the leak of ``val_losses`` owns them.
+SAVED_BY_GRAPH = ".grad_fn"
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 CATEGORY_LABELS: dict[str, str] = {
     "parameters": "parameters",

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from torch_nbdebug.data.memory import (
-    CATEGORIES, PHASES, Allocation, Leak, MemoryRecording, MemoryTimeline, PhaseSpan,
+    CATEGORIES, PHASES, SAVED_BY_GRAPH, Allocation, Leak, MemoryRecording, MemoryTimeline, PhaseSpan,
 )
 
 _CAT = {name: i for i, name in enumerate(CATEGORIES)}
@@ -125,16 +125,19 @@ def find_leaks(allocations: Sequence[Allocation]) -> tuple[Leak, ...]:
                  and (a.category not in _STATE or _grown_state(a))]
     groups: dict[str, list[Allocation]] = {}
     orphans: list[Allocation] = []
+    saved_by: dict[str, list[Allocation]] = {}  # saved for backward by a held tensor's graph
     for a in survivors:
         if a.holder is None:
             orphans.append(a)
+        elif a.holder.endswith(SAVED_BY_GRAPH):
+            saved_by.setdefault(_container(a.holder[:-len(SAVED_BY_GRAPH)]), []).append(a)
         else:
             groups.setdefault(_container(a.holder), []).append(a)
     graph_holders = [k for k, members in groups.items() if any(m.has_graph for m in members)]
     saved = [a for a in orphans if a.category == "activations"]
     leaks = []
     for key, members in groups.items():
-        kept = saved if graph_holders and key == graph_holders[0] else []
+        kept = saved_by.get(key, []) + (saved if graph_holders and key == graph_holders[0] else [])
         is_result = len(members) == 1 and members[0].holder == key and not kept
         if not is_result:
             leaks.append(_leak(key, members, kept))

@@ -324,6 +324,10 @@ class MemoryRecorder:
             self._promote_saved()
         kinds = persistent_keys(*self._state_owners())
         holders = find_holders(self.namespace, on_new=self._adopt_unseen)
+        for key in holders.name_saved():
+            alloc_id = self._live.get(key)
+            if alloc_id is not None:
+                self._classify(alloc_id, ACT)  # saved for backward by a held graph, wherever it was made
         allocations = tuple(self._freeze(i, r, kinds, holders) for i, r in enumerate(self._records))
         return MemoryRecording(
             device=self.device_type, allocations=allocations,

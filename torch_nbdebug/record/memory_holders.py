@@ -15,12 +15,17 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from torch_nbdebug.data.memory import SAVED_BY_GRAPH
+
 MAX_DEPTH = 4
 MAX_VISITS = 200_000
 # IPython's own bookkeeping names; ``Out`` is walked last because its entries are the user's outputs.
 _SKIP_NAMES = {"In", "exit", "quit", "get_ipython"}
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), types.ModuleType, type, types.FunctionType,
           types.BuiltinFunctionType, types.MethodType)
+
+
+MAX_GRAPH_NODES = 20_000
 
 
 def storage_key(tensor: torch.Tensor) -> Optional[int]:
@@ -38,17 +43,63 @@ class Holders:
         self.names: dict[int, str] = {}
         self.graphs: dict[int, bool] = {}
         self._on_new = on_new
+        self._graph_roots: list[tuple[str, Any]] = []  # (holder name, grad_fn); dropped by name_saved
 
     def add(self, key: Optional[int], name: str, tensor: torch.Tensor) -> None:
         if key is None or key in self.names:
             return
         self.names[key] = name
         self.graphs[key] = tensor.grad_fn is not None
+        if tensor.grad_fn is not None:
+            self._graph_roots.append((name, tensor.grad_fn))
         if self._on_new is not None:
             self._on_new(key, tensor)
 
     def get(self, key: int) -> Optional[str]:
         return self.names.get(key)
+
+    def name_saved(self, max_nodes: int = MAX_GRAPH_NODES) -> set[int]:
+        """Name the tensors that held graphs saved for backward (``val_losses[2].grad_fn``): a leaked
+        loss keeps its graph's saved inputs alive, and they belong to its leak. Returns their keys."""
+        roots, self._graph_roots = self._graph_roots, []
+        saved: set[int] = set()
+        for name, node in _walk_graphs(roots, max_nodes):
+            for tensor in _saved_tensors(node):
+                key = storage_key(tensor)
+                if key is not None and key not in self.names:
+                    self.names[key] = name + SAVED_BY_GRAPH
+                    self.graphs[key] = False
+                    saved.add(key)
+        return saved
+
+
+def _walk_graphs(roots: list[tuple[str, Any]], max_nodes: int) -> Any:
+    """Each autograd node reachable from the roots once, with the name of the first root reaching it.
+
+    Bounded: the walk creates a Python object per node, and it only names leaks."""
+    seen: set[int] = set()
+    stack = list(reversed(roots))
+    while stack and len(seen) < max_nodes:
+        name, node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield name, node
+        stack.extend((name, child) for child, _ in node.next_functions)
+
+
+def _saved_tensors(node: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for attr in dir(node):
+        if not attr.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # freed by a backward, or saved for a second order only
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(v for v in values if isinstance(v, torch.Tensor))
+    return found
 
 
 def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX_DEPTH,

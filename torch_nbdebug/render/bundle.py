@@ -1,8 +1,11 @@
 """Every output is a MIME bundle: text/plain, a self-contained static view, then the live widget.
 
-Notebook front ends pick the richest type they can show: a live kernel shows the widget; nbconvert,
-GitHub and a notebook opened without a kernel fall back to the static HTML (and its inline SVG/PNG);
-a terminal shows the text. Result objects implement ``_repr_mimebundle_`` through :func:`bundle`.
+Notebook front ends pick the richest type they can show: a live kernel shows the widget; a terminal
+shows the text. nbconvert and GitHub also prefer the widget view and draw nothing when the notebook
+saved no widget state, so notebooks meant to be read without a kernel (ours in ``notebooks/``) are
+saved with the widget view dropped from each output: the static HTML (inline SVG/PNG) then shows, and
+running the cell brings the widget back. Result objects implement ``_repr_mimebundle_`` through
+:func:`bundle`.
 """
 from __future__ import annotations
 
