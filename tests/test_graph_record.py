@@ -346,3 +346,20 @@ def test_recording_is_removed_on_keyboard_interrupt_and_keeps_no_tensor() -> Non
     del out
     gc.collect()
     assert kept[0]() is None
+
+
+def test_graph_of_a_training_model_leaves_its_buffers_and_the_rng_alone() -> None:
+    """Drawing the graph runs the forward; a train-mode BatchNorm must not learn from it and Dropout
+    must not shift the user's random numbers."""
+    from torch_nbdebug.api.graph import graph
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    model.train()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    graph(model, x, names={"model": model, "x": x})
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, buffers[name]), name
+    assert model.training

@@ -11,9 +11,10 @@ The result is a :class:`GraphExplorer`: displays as text, a static SVG and the l
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import ChainMap
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -138,6 +139,23 @@ def _name_of(tensor: torch.Tensor, namespace: Mapping[str, Any]) -> Optional[str
     return tensor_names(namespace).get(id(tensor))
 
 
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Run the user's model for a picture without changing it: buffers a training-mode forward
+    updates (BatchNorm running statistics) are put back, and the random state Dropout draws from is
+    restored, so the user's next numbers are the ones they would have had."""
+    saved = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    cuda = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name in saved and buf.shape == saved[name].shape:
+                    buf.copy_(saved[name])
+
+
 def _graph_of_model(model: nn.Module, inputs: Sequence[Any], namespace: Mapping[str, Any], saved: bool, expand: Any,
                     max_nodes: int, title: Optional[str]) -> GraphExplorer:
     if not inputs:
@@ -152,7 +170,7 @@ def _graph_of_model(model: nn.Module, inputs: Sequence[Any], namespace: Mapping[
                    for i, (a, x) in enumerate(zip(args, inputs))}
     recording = GraphRecording(namespace)
     try:
-        with torch.enable_grad(), recording:
+        with torch.enable_grad(), recording, _untouched(model):
             out = model(*args)
     except Exception as exc:
         raise InputError(f"{model_name}(...) raised {type(exc).__name__}: {exc} — fix the forward or the inputs "

@@ -89,7 +89,15 @@ class _LiveNamespace(Mapping[str, Any]):
         return {**self._frame.f_globals, **self._frame.f_locals}
 
     def __getitem__(self, key: str) -> Any:
-        return self._merged()[key]
+        # One lookup, not a merge per key: notebooks hold thousands of names.
+        if self._frame is None:
+            raise KeyError(key)
+        if key in self._frame.f_locals:
+            return self._frame.f_locals[key]
+        return self._frame.f_globals[key]
+
+    def items(self) -> Any:  # one merge for a whole scan (module_roots, holders)
+        return self._merged().items()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._merged())

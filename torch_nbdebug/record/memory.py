@@ -33,7 +33,7 @@ from torch_nbdebug.data.source import SourceLine
 from torch_nbdebug.record.memory_holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import builds_graph, is_input_storage, tensors_in
+from torch_nbdebug.record.memory_ops import builds_graph, input_storage_keys, tensors_in
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.source import is_user_code, line_of
 
@@ -188,6 +188,7 @@ class MemoryRecorder:
     def _on_outputs(self, func: Any, out: Any, args: Any) -> None:
         node = torch._C._current_autograd_node()
         graph_inputs: Optional[bool] = None  # computed once, only when a new storage needs a phase
+        input_keys: Optional[set[Optional[int]]] = None
         for tensor in tensors_in(out):
             if tensor.device.type != self.device_type:
                 continue
@@ -195,7 +196,9 @@ class MemoryRecorder:
             if key is None:
                 continue
             alloc_id = self._live.get(key)
-            if alloc_id is None and is_input_storage(key, args):
+            if alloc_id is None and input_keys is None:
+                input_keys = input_storage_keys(args)  # once per op: foreach ops have hundreds of outputs
+            if alloc_id is None and key in input_keys:
                 # An in-place op or a view of a tensor we never saw: it existed before recording.
                 alloc_id = self._track(tensor, key, OTHER, IDLE, "", -1, None, None)
             elif alloc_id is None:

@@ -8,8 +8,9 @@ import torch
 from torch_nbdebug.record.memory_holders import storage_key
 
 
-def is_input_storage(key: int, args: Any) -> bool:
-    return any(storage_key(t) == key for t in tensors_in(args))
+def input_storage_keys(args: Any) -> set[Optional[int]]:
+    """Storage keys of an op's inputs: an output sharing one is an in-place result or a view."""
+    return {storage_key(t) for t in tensors_in(args)}
 
 
 def builds_graph(args: Any) -> bool:

@@ -1,7 +1,7 @@
 """Find the user's own line of code from inside torch: skip torch, torch_nbdebug, IPython and the stdlib.
 
-The walk is cached per code object, so repeated calls from the same call sites cost a dictionary
-lookup per frame rather than path string tests.
+The walk is cached per file name, so repeated calls cost a dictionary lookup per frame rather than
+path string tests.
 """
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ _LIBRARY_DIRS = tuple(
     }
     if p
 )
-_is_user_cache: dict[types.CodeType, bool] = {}
+# Keyed by file name (what the answer depends on), so no cell's code object is kept alive.
+_is_user_cache: dict[str, bool] = {}
 
 
 def is_user_code(code: types.CodeType) -> bool:
     """True when ``code`` belongs to the user (a notebook cell, a script, a test), not a library."""
-    cached = _is_user_cache.get(code)
+    cached = _is_user_cache.get(code.co_filename)
     if cached is None:
         cached = is_user_file(code.co_filename)
-        _is_user_cache[code] = cached
+        _is_user_cache[code.co_filename] = cached
     return cached
 
 
