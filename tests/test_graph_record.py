@@ -363,3 +363,22 @@ def test_graph_of_a_training_model_leaves_its_buffers_and_the_rng_alone() -> Non
     for name, buf in model.named_buffers():
         assert torch.equal(buf, buffers[name]), name
     assert model.training
+
+
+def test_record_graph_in_a_function_keeps_no_local_alive() -> None:
+    import gc
+    import weakref
+
+    from torch_nbdebug.api.graph import record_graph
+
+    def train_step() -> tuple:
+        model = nn.Linear(3, 1)
+        batch = torch.randn(4, 3)
+        with record_graph() as rec:
+            model(batch).sum()
+        return rec, weakref.ref(batch)
+
+    rec, batch_ref = train_step()
+    gc.collect()
+    assert batch_ref() is None, "the recording kept the function's batch alive"
+    assert rec is not None

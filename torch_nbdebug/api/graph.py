@@ -64,7 +64,11 @@ class GraphRecording:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._recorder.__exit__(*exc)
+        try:
+            self._recorder.__exit__(*exc)
+        finally:
+            if self._implicit:  # graph() looks at the caller again; keep no snapshot of its locals
+                self.namespace = None
 
     def outputs(self) -> list[torch.Tensor]:
         """Outputs of the top-level modules called while recording (those still alive)."""

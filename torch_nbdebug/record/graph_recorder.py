@@ -85,6 +85,7 @@ class GraphRecorder:
             self._mode.__exit__(*exc)
         finally:
             self.tracker.remove()
+            self.namespace = None  # a function's locals snapshot must not outlive the recording
             if self.modules:  # a recording that made no node keeps the previous one useful
                 with _LAST_LOCK:
                     _LAST["modules"] = dict(self.modules)

@@ -106,17 +106,23 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
 
     def stop(self) -> None:
         """Remove every hook and mode; read outstanding device flags (errors there are not raised)."""
-        self.resume()  # an optimizer step that raised left the mode suspended
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-        for handle in self._handles + self._grad_handles:
-            handle.remove()
-        self._handles, self._grad_handles = [], []
-        self.commit_held()
-        if self._tracker is not None:
-            self._tracker.remove()
         try:
+            self.resume()  # an optimizer step that raised left the mode suspended
+            if self._mode is not None:
+                mode, self._mode = self._mode, None
+                mode.__exit__(None, None, None)
+        finally:
+            # Every global hook goes, even if removing the mode or another hook failed.
+            handles, self._handles, self._grad_handles = self._handles + self._grad_handles, [], []
+            for handle in handles:
+                try:
+                    handle.remove()
+                except Exception as exc:  # noqa: BLE001 - keep removing: a left hook changes the program
+                    self.internal_error("removing a hook", exc)
+            if self._tracker is not None:
+                self._tracker.remove()
+        try:
+            self.commit_held()
             self.flush(raising=False)
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error: the user's own error matters more
             self.internal_error("the flags still on the device", exc)
@@ -191,7 +197,7 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
                 # The autograd kernel made a node for this op just before calling us: remember where.
                 self._last_seq = seq
                 self._op_seq = seq - 1
-                if cat != ops.VIEW:
+                if cat != ops.VIEW and self.backward:  # places serve backward births only
                     self._remember(seq - 1, func)
             else:
                 self._op_seq = None
