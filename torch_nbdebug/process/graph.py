@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
 from torch_nbdebug.data.graph import GraphData
 
@@ -251,13 +251,6 @@ class ViewGraph:
     items: dict[str, list[str]]  # container (ROOT or an open group) -> shown items and open groups
     edges: dict[tuple[str, str], int]  # (shown src, shown dst) -> how many graph edges it stands for
     rep: dict[str, str]  # graph node id -> shown item id
-
-
-def representative(hier: Hierarchy, node_id: str, expanded: Union[set[str], frozenset[str]]) -> str:
-    for gid in hier.chain(node_id):
-        if gid not in expanded:
-            return gid
-    return node_id
 
 
 def _closed_ancestor(hier: Hierarchy, opened: frozenset[str]) -> dict[str, Optional[str]]:

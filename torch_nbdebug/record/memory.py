@@ -35,7 +35,7 @@ from torch_nbdebug.record.memory_holders import (
 )
 from torch_nbdebug.record.memory_ops import builds_graph, input_storage_keys, tensors_in
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.source import is_user_code, line_of
+from torch_nbdebug.record.source import line_of, user_frame
 
 PARAM, GRAD, OPT, ACT, TEMP, OTHER = range(len(CATEGORIES))
 IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
@@ -284,9 +284,7 @@ class MemoryRecorder:
             self._classify(alloc_id, category)
 
     def _user_line(self) -> Optional[SourceLine]:
-        frame: Optional[types.FrameType] = sys._getframe(3)
-        while frame is not None and not is_user_code(frame.f_code):
-            frame = frame.f_back
+        frame = user_frame(sys._getframe(1))
         if frame is None:
             return None
         key = (frame.f_code, frame.f_lineno)

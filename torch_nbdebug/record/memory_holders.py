@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.memory import SAVED_BY_GRAPH
+from torch_nbdebug.record.tensors import storage_key
 
 MAX_DEPTH = 4
 MAX_VISITS = 200_000
@@ -26,14 +27,6 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None), types.ModuleType, t
 
 
 MAX_GRAPH_NODES = 20_000
-
-
-def storage_key(tensor: torch.Tensor) -> Optional[int]:
-    """Identity of a tensor's storage (shared by all its views), or None for storage-less tensors."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return None  # sparse, nested, functional or wrapper subclasses: no plain storage
 
 
 class Holders:

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.record.memory_holders import storage_key
+from torch_nbdebug.record.tensors import storage_key
 
 
 def input_storage_keys(args: Any) -> set[Optional[int]]:

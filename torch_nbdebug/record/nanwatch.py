@@ -28,6 +28,7 @@ from torch_nbdebug.record.nanwatch_layers import LayerRecorder
 from torch_nbdebug.record.nanwatch_amp import AmpChecks
 from torch_nbdebug.record.nanwatch_held import HeldBackward
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+from torch_nbdebug.record.tensors import storage_key
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode, Pending
 from torch_nbdebug.record.nanwatch_optim import OptimizerWatch
 from torch_nbdebug.record.nanwatch_storage import StorageRegistry
@@ -292,8 +293,8 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
         by_storage: dict[int, str] = {}
         for root_name, root in module_roots(self.namespace):
             for name, p in root.named_parameters():
-                by_storage.setdefault(ops.storage_key(p) or -1, f"{root_name}.{name}")
-        names = [by_storage[k] for k in (ops.storage_key(t) for t in culprits) if k in by_storage]
+                by_storage.setdefault(storage_key(p) or -1, f"{root_name}.{name}")
+        names = [by_storage[k] for k in (storage_key(t) for t in culprits) if k in by_storage]
         if not names:
             return "non-finite input data (not a parameter)"
         return "non-finite parameter " + ", ".join(names)
@@ -321,12 +322,12 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
         """Is one of these the saved output of a forward birth that a where/masked_fill threw away?"""
         if not self.absorbed:
             return False
-        return any(self._birth_keys.get(ops.storage_key(t) or -1) in self.absorbed for t in tensors)
+        return any(self._birth_keys.get(storage_key(t) or -1) in self.absorbed for t in tensors)
 
     def _propagated(self, tensors: list[torch.Tensor]) -> None:
         """A non-finite value flowed on: a forward birth it came from was not absorbed after all."""
         for t in tensors:
-            idx = self._birth_keys.get(ops.storage_key(t) or -1)
+            idx = self._birth_keys.get(storage_key(t) or -1)
             if idx is not None:
                 self.absorbed.discard(idx)
 
@@ -334,9 +335,9 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
         """``torch.where``/``masked_fill`` dropped a born NaN/Inf and kept a finite result."""
         if any(ops.is_bad_value(ops.sum_value(t)) for t in outs):
             return
-        written = {ops.storage_key(t) for t in outs}
+        written = {storage_key(t) for t in outs}
         for t in ops.float_inputs(args, kwargs):
-            key = ops.storage_key(t) or -1
+            key = storage_key(t) or -1
             idx = self._birth_keys.get(key)
             # In place (``y.masked_fill_(...)``) the born values were overwritten: the output is finite.
             if idx is not None and (key in written or ops.is_bad_value(ops.sum_value(t))):
@@ -380,7 +381,7 @@ class NanRecorder(ModuleChecks, HeldBackward, AmpChecks):
             self._birth_seqs[event.sequence_nr] = len(self.events) - 1
         if event.phase == "forward":
             for t in outputs:
-                key = ops.storage_key(t)
+                key = storage_key(t)
                 if key is not None:
                     self._birth_keys[key] = len(self.events) - 1
         if self.raise_on_birth:

@@ -7,7 +7,7 @@ non-finite outputs can only be carried in from an input, and the next checked op
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -186,14 +186,6 @@ def has_nan(t: torch.Tensor) -> bool:
     return bool(torch.isnan(t).any())
 
 
-def storage_key(t: torch.Tensor) -> Optional[int]:
-    """Identity of a tensor's storage (shared by its views); None for tensors without one."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def cast_source(func: Any, args: tuple) -> Optional[torch.Tensor]:
     """The tensor a cast/copy reads (``copy_(self, src)`` reads ``src``), if it is a float tensor."""
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
@@ -233,7 +225,3 @@ def any_external(func: Any, args: tuple, produced: Any) -> bool:
 
 def op_name(func: Any) -> str:
     return str(func)
-
-
-def all_tensors(items: Iterable[Any]) -> list[torch.Tensor]:
-    return [t for t in items if isinstance(t, torch.Tensor)]
