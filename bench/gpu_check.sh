@@ -3,8 +3,10 @@
 #
 #   bash bench/gpu_check.sh            # uses $PYTHON, else .venv/bin/python, else python3
 #
-# Runs bench/gpu_nanwatch.py (nanwatch overhead and correctness on CUDA) and bench/gpu_memory.py
-# (%%cudamem on CUDA), each under its own time limit, and prints what each printed. The repository
+# Runs bench/gpu_nanwatch.py (nanwatch overhead and correctness on CUDA), bench/gpu_memory.py
+# (%%cudamem on CUDA) and bench/gpu_repro.py (%%repro: atomics found as 'nondeterministic_op', a
+# deterministic GPT step identical and run once, its cost), each under its own time limit, and prints
+# what each printed. The repository
 # root is put on PYTHONPATH so the package needs no install on a machine that already has torch.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +30,7 @@ PY
 
 status=0
 # Time limits add up to 175 s, so the whole check ends within 3 minutes.
-for entry in "gpu_nanwatch.py 75" "gpu_memory.py 100"; do
+for entry in "gpu_nanwatch.py 65" "gpu_memory.py 80" "gpu_repro.py 30"; do
     set -- $entry
     script="bench/$1" limit="$2"
     echo "===== $script (limit ${limit}s) ====="

@@ -7,10 +7,20 @@ import pytest
 import torch
 from torch import nn
 
+from torch_nbdebug.api import nanwatch as nanwatch_api
 from torch_nbdebug.api.nanwatch import NanEvent, NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
 
 SRC = open(__file__).read().splitlines()
+
+
+@pytest.fixture(autouse=True, params=["immediate", "deferred"])
+def check_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every nanwatch test runs on both check paths: immediate (CPU's default) and deferred (CUDA's
+    default, run here on CPU). ``nanwatch()`` and ``%%nanwatch`` without ``defer=`` pick the path
+    from ``_cuda_in_use``; tests that pass ``defer=`` themselves keep it."""
+    monkeypatch.setattr(nanwatch_api, "_cuda_in_use", lambda: request.param == "deferred")
+    return str(request.param)
 
 
 def line(marker: str) -> int:

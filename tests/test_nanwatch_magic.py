@@ -15,6 +15,8 @@ from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.magics.nanwatch import NanwatchMagics
 from torch_nbdebug.render.bundle import WIDGET_MIME
 
+from test_nanwatch import check_path  # noqa: F401 - every test on both check paths
+
 SETUP = """
 import torch
 from torch import nn

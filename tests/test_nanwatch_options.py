@@ -12,7 +12,7 @@ from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.record.modules import global_hook_counts
 
-from test_nanwatch import CausalAttention, SqrtNorm, make_model
+from test_nanwatch import CausalAttention, SqrtNorm, check_path, make_model  # noqa: F401 - both paths
 from test_nanwatch import line as main_line
 
 SRC = open(__file__).read().splitlines()
@@ -226,13 +226,14 @@ def test_deferred_module_mode() -> None:
     assert [(e.phase, e.module) for e in report.events] == [("input", "model.0")]
 
 
-def test_deferred_raise_happens_at_the_module_boundary() -> None:
+def test_deferred_raise_happens_at_the_birth() -> None:
+    """With raise_on_birth the deferred path reads each check at once (raising later would run on)."""
     model = make_model()
     before = global_hook_counts()
     reached = []
     with pytest.raises(NanBirthError) as info:
         with nanwatch(defer=True, raise_on_birth=True):
-            out = model(torch.randn(8, 4))  # the top-level module's exit reads the flags and raises
+            out = model(torch.randn(8, 4))  # raises inside, at the log
             reached.append(out)
     assert reached == []
     assert info.value.event.op == "aten.log.default" and info.value.event.module == "model.1"

@@ -13,7 +13,7 @@ from torch_nbdebug.process.nanwatch import hint, mark_births, summarize_watch
 from torch_nbdebug.render.bundle import WIDGET_MIME
 from torch_nbdebug.render.nanwatch import NanView, report_html, report_text
 
-from test_nanwatch import make_model
+from test_nanwatch import check_path, make_model  # noqa: F401 - recorded reports on both check paths
 
 
 def _stats(**kw: object) -> TensorStats:

@@ -22,6 +22,8 @@ from torch import nn
 from torch_nbdebug.api.nanwatch import NanReport, nanwatch
 from torch_nbdebug.errors import NanBirthError
 
+from test_nanwatch import check_path  # noqa: F401 - every test on both check paths
+
 SRC = open(__file__).read().splitlines()
 
 
@@ -221,12 +223,11 @@ def test_tensor_hook_that_makes_inf_points_at_the_hook() -> None:
     assert first.lineno == line("# @bad-hook") and first.forward_lineno == line("# @hooked-forward")
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_sum_of_huge_finite_values_is_a_birth_even_if_its_input_sum_overflows(defer: bool) -> None:
+def test_sum_of_huge_finite_values_is_a_birth_even_if_its_input_sum_overflows() -> None:
     """A cheap check sums each tensor; a sum of huge *finite* values overflowing must neither make
     the inputs look non-finite (that hid this birth) nor flag the finite tensor itself."""
     x = torch.ones(3)
-    with nanwatch(defer=defer) as report:
+    with nanwatch() as report:
         big = x * 3e38
         total = big.sum()  # @huge-sum
     assert torch.isfinite(big).all() and torch.isinf(total)
@@ -289,12 +290,11 @@ def test_exp_overflow_in_half_types(dtype: torch.dtype, big: float) -> None:
     assert report.first.output.dtype == str(dtype).replace("torch.", "")
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_casting_to_float16_overflows_is_a_birth(defer: bool) -> None:
+def test_casting_to_float16_overflows_is_a_birth() -> None:
     """``x.half()`` on values past 65504 makes inf from finite data: the most common float16 birth."""
     x = torch.tensor([1e5, 1.0])
     buf = torch.empty(2, dtype=torch.float16)
-    with nanwatch(defer=defer) as report:
+    with nanwatch() as report:
         h = x.half()  # @cast-half
         buf.copy_(x)  # @copy-half
         b = x.to(torch.bfloat16).float()
@@ -363,11 +363,10 @@ def test_batch_norm_eval_with_zero_running_var_in_float16() -> None:
     assert bn.training is False
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_in_place_ops_are_births_too(defer: bool) -> None:
+def test_in_place_ops_are_births_too() -> None:
     """``x.log_()`` overwrites its input: the check must judge the input as it was before the op."""
     outside = torch.tensor([0.0, 1.0])
-    with nanwatch(defer=defer) as report:
+    with nanwatch() as report:
         outside.log_()  # @log-inplace
         y = torch.tensor([1.0, 2.0]) * 1.0
         y.div_(0.0)  # @div-inplace
@@ -377,11 +376,10 @@ def test_in_place_ops_are_births_too(defer: bool) -> None:
     assert "log of zero" in report.events[0].hint and "division by zero" in report.events[1].hint
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_out_variant_is_a_birth_not_input_data(defer: bool) -> None:
+def test_out_variant_is_a_birth_not_input_data() -> None:
     x = torch.tensor([100.0, 1.0])
     out = torch.empty(2)
-    with nanwatch(defer=defer) as report:
+    with nanwatch() as report:
         torch.exp(x, out=out)  # @exp-out
         y = x - 200.0
         torch.log(y, out=y)  # @log-out-self

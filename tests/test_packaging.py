@@ -22,6 +22,8 @@ PROMISED = {
     ("line", "graph"), ("cell", "graph"),
     ("line", "grads"), ("cell", "grads"),
     ("line", "cudamem"), ("cell", "cudamem"),
+    ("line", "explain"), ("cell", "explain"),
+    ("cell", "repro"),
 }
 
 
@@ -61,7 +63,7 @@ def _registered(ip: Any, kind: str, name: str) -> bool:
 
 
 def test_every_feature_declares_magics() -> None:
-    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory"}
+    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory", "explain", "repro"}
     for feature, cls in _magics_classes().items():
         assert any(cls.magics[kind] for kind in ("line", "cell")), f"{feature}.MAGICS declares no magic"
     missing = PROMISED - _declared()

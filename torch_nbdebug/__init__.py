@@ -6,6 +6,8 @@ In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
 - ``graph(tensor_or_model, ...)`` — the computation-graph explorer (``%graph``)
 - ``grads(model)`` / ``with record_gradients(model) as trace:`` — the gradient stepper (``%grads``)
 - ``memory_state()`` / ``with memory_timeline() as tl:`` — memory by category (``%cudamem``)
+- ``repro(fn, state=(model, opt))`` — run twice from one state; the first op that differs, and why (``%%repro``)
+- ``with explain() as ex:`` / ``explain_exception(exc)`` — where and why a PyTorch error happened (``%explain``)
 
 Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
 """
@@ -33,9 +35,14 @@ _EXPORTS = {
     "MemoryState": "torch_nbdebug.api.memory",
     "MemoryTimeline": "torch_nbdebug.api.memory",
     "write_snapshot": "torch_nbdebug.api.memory",
+    "repro": "torch_nbdebug.api.repro",
+    "ReproReport": "torch_nbdebug.api.repro",
     "NbdebugError": "torch_nbdebug.errors",
     "InputError": "torch_nbdebug.errors",
     "NanBirthError": "torch_nbdebug.errors",
+    "explain": "torch_nbdebug.api.explain",
+    "explain_exception": "torch_nbdebug.api.explain",
+    "Diagnosis": "torch_nbdebug.api.explain",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

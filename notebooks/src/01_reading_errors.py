@@ -11,6 +11,8 @@
 #    `CUDA_LAUNCH_BLOCKING=1` does, and the CPU run that gives you the precise error anywhere.
 # 4. **Post-mortem debugging** — `%debug` / `pdb`: walk into the frame that failed and look at the
 #    shapes, dtypes and devices of the tensors that were really there.
+# 5. **`%explain`** — let `torch_nbdebug` do that reading for you: which layer, which line, which
+#    operands, and — for the autograd errors whose messages name no line at all — the culprit.
 #
 # Everything here runs on a CPU in a few seconds. Cells that fail on purpose are tagged
 # `raises-exception`, so the notebook still runs top to bottom (and in CI).
@@ -341,6 +343,149 @@ forward_frame = tensors_in_traceback(sys.last_traceback)[-1]
 assert forward_frame[0] == "forward" and forward_frame[2]["k"][0] == (2, 5, 8)
 
 # %% [markdown]
+# ## 5. `%explain`: the reading, done for you
+#
+# Everything above is a recipe: find your innermost frame, look at the operands, map the message to a
+# cause. `torch_nbdebug` does it for every PyTorch error. After `%load_ext torch_nbdebug`, a failing cell
+# gets **one paragraph under its traceback** (read post mortem from the traceback: nothing is run
+# again), and errors that are not PyTorch's stay untouched. `%explain --auto off` turns it off.
+
+# %%
+%load_ext torch_nbdebug
+import torch_nbdebug
+
+# %% [markdown]
+# The classifier from section 1 again, now with convolutions: it was built for 8×8 images and gets
+# 32×32 ones. The message says `2x2048 and 128x10`; the paragraph says which layer and why.
+
+# %%
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(8 * 4 * 4, 10)  # 4x4 after pooling: built for 8x8 inputs
+
+    def forward(self, x):
+        h = self.features(x)
+        return self.fc(h.flatten(1))
+
+
+cnn = SmallCNN()
+images = torch.randn(2, 3, 32, 32)
+
+# %% tags=["raises-exception"]
+logits = cnn(images)
+
+# %% [markdown]
+# `%explain` on its own line (like `%debug`) shows the whole diagnosis of the last error as a card:
+# the kind, the ATen op, the module *as you write it* (`cnn.fc`), your line, every operand with the
+# module that produced it, and the fix. `-o` returns it as a `Diagnosis`, plain data you can test.
+
+# %%
+%explain
+
+# %%
+diagnosis = %explain -o
+print(diagnosis.kind, diagnosis.op, diagnosis.module, diagnosis.lineno)
+assert (diagnosis.kind, diagnosis.module) == ("shape", "cnn.fc")
+assert "in_features=2048" in diagnosis.hint
+
+# %% [markdown]
+# ### The errors whose messages name no line: run the cell under `%%explain`
+#
+# Autograd errors are raised by `backward()`, far from their cause. *"modified by an inplace
+# operation ... output 0 of Sigmoid, is at version 1"* names neither the line that saved the tensor nor
+# the op that modified it, and anomaly mode points at the backward that failed, not at the culprit.
+# `%%explain` on the first line of the cell runs it with a light recorder (module hooks and a
+# function-level mode, no re-run, no anomaly mode) and re-raises your exception unchanged; the card
+# under the traceback then names both lines.
+
+# %%
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)  # saves memory... and modifies sigmoid's saved output
+
+    def forward(self, x):
+        s = torch.sigmoid(self.proj(x))
+        return self.act(s)
+
+
+gate = Gate()
+
+# %% tags=["raises-exception"]
+%%explain
+out = gate(torch.randn(3, 4))
+out.sum().backward()
+
+# %%
+print(_explain.culprit_op, "in", _explain.culprit_module, "at line", _explain.culprit_lineno)
+assert (_explain.kind, _explain.culprit_module) == ("inplace", "gate.act")
+
+# %% [markdown]
+# **Graph reuse.** *"Trying to backward through the graph a second time"* does not say which tensor
+# carried the old graph. Here a hidden state is carried from one iteration to the next; the card names
+# the line that made it and the `.detach()` to add.
+
+# %% tags=["raises-exception"]
+%%explain
+rnn_cell = nn.Linear(4, 4)
+hidden = torch.zeros(1, 4)
+for step in range(3):
+    hidden = torch.tanh(rnn_cell(hidden))
+    loss = hidden.sum()
+    loss.backward()
+
+# %%
+assert (_explain.kind, _explain.culprit_lineno) == ("graph_reuse", 4)
+
+# %% [markdown]
+# **A cut gradient chain.** *"element 0 of tensors does not require grad"* does not say where the
+# chain was cut. The tempting fix, `loss.requires_grad = True`, silences the error and trains nothing:
+# the card says so, and names the line that cut the chain.
+
+# %% tags=["raises-exception"]
+%%explain
+features = gate(torch.randn(3, 4)).detach()  # e.g. to log them... but then used for the loss
+loss = features.pow(2).mean()
+loss.backward()
+
+# %%
+assert (_explain.kind, _explain.culprit_op, _explain.culprit_lineno) == ("no_grad", "detach", 1)
+assert "nothing trains" in _explain.hint
+
+# %% [markdown]
+# **Indices, and the CUDA device-side assert.** On a GPU an out-of-range token id from section 3 is a
+# device-side assert: the CUDA context is broken, the kernel must restart, and the traceback blames a
+# later line. The card says so and offers `%%explain --check-indices`: it checks index arguments
+# (embedding ids, class targets, `gather`/`index_select` indices) on their way to each op, so the next
+# run stops **at the right line, with the bad value and its position, before the assert**. It costs a
+# reduction and a synchronisation per indexed op, so it is opt-in. On the CPU it gives the same answer:
+
+# %% tags=["raises-exception"]
+%%explain --check-indices
+hidden = lm_embedding(tokens)
+
+# %%
+print(_explain.hint)
+assert _explain.kind == "index" and "holds 100" in _explain.hint
+
+# %% [markdown]
+# The Python twins do the same without a notebook: `with torch_nbdebug.explain() as ex:` (the exception
+# passes through unchanged; afterwards `ex.diagnosis`) and `torch_nbdebug.explain_exception(exc)` for
+# an exception you caught.
+
+# %%
+try:
+    with torch_nbdebug.explain() as ex:
+        nn.functional.cross_entropy(torch.randn(4, 3), torch.tensor([0.0, 2.0, 1.0, 1.0]))
+except RuntimeError as err:
+    print(type(err).__name__, "passed through:", err)
+print(ex.diagnosis.text())
+assert ex.diagnosis.kind == "dtype" and "target.long()" in ex.diagnosis.hint
+
+# %% [markdown]
 # ## Summary
 #
 # * Read tracebacks **bottom up**: the message, then the innermost frame that is *your* code.
@@ -349,5 +494,8 @@ assert forward_frame[0] == "forward" and forward_frame[2]["k"][0] == (2, 5, 8)
 #   before CUDA starts, and restart the kernel after a device-side assert.
 # * After an error, `%debug` puts you *in* the failing frame: `up`, `down`, `p x.shape`.
 #   The traceback object (`sys.last_traceback`) holds every frame's locals if you prefer code.
+# * `%load_ext torch_nbdebug` explains every PyTorch error under its traceback; `%explain` shows the
+#   full card; `%%explain` names the culprit of in-place, graph-reuse and no-grad errors;
+#   `%%explain --check-indices` catches the index behind a device-side assert at its line.
 #
 # Next: **02 · Hunting NaNs** — the errors that do not raise at all.

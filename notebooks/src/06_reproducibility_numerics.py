@@ -11,6 +11,8 @@
 # 3. **Clamping and epsilons** — `log`, division and `sqrt` near zero, forward and backward.
 # 4. **Mixed precision** — what float16 cannot represent, why `GradScaler` exists, and what a
 #    failed scale looks like in your logs.
+# 5. **Which op broke it?** — `%%repro` runs a cell twice from the same state and names the first op
+#    whose output differs, its line, and the cause.
 #
 # It runs on a CPU in seconds; GPU-only settings are explained and set harmlessly.
 
@@ -310,6 +312,115 @@ assert log[-1][4] and log[12][3] < log[5][3]             # training resumed, wit
 # Check `scaler.get_scale()` in your training logs: a scale that collapses is a bug report.
 
 # %% [markdown]
+# ## 5. Which op broke it? `%%repro`
+#
+# The checklist above says *what* to set; it does not say *which op* of your cell makes two runs
+# differ. `%%repro` runs the cell **twice from the same starting state** and compares the runs op by
+# op (forward, backward and optimizer), keeping a small fingerprint of every output rather than a
+# copy. Before each run it restores the modules, optimizers, LR schedulers, gradient scalers and
+# tensors of the namespace and — unless `--no-restore-rng` — every random generator (torch CPU and
+# CUDA, NumPy, Python `random`). Afterwards the state is as if the cell had run **once**: an
+# optimizer stepped in the cell has stepped once. (Prints, files and appends to Python lists do
+# happen twice.)
+#
+# If the runs differ, the report names the first op whose output differs although its inputs agreed
+# — or whose input came from outside torch — with its module, line, phase and the size of the
+# difference, and the cause:
+#
+# | cause | meaning |
+# |---|---|
+# | `rng` | randomness not restored or not seeded (a dropout mask, `torch.randn`, a private `torch.Generator`) |
+# | `uninitialized` | memory from `torch.empty` read before it was written |
+# | `external` | a value from outside torch's state: Python `random`, time, a counter the previous run changed, a file |
+# | `nondeterministic_op` | same inputs, different output: atomic adds on CUDA, a nondeterministic algorithm |
+# | `unknown` | the runs differ but no op explains it (state changed outside torch's ops) |
+#
+# A small model with dropout, trained one step per cell:
+
+# %%
+%load_ext torch_nbdebug
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+xb, yb = torch.randn(64, 8), torch.randn(64, 1)
+
+# %%
+%%repro
+loss = F.mse_loss(net(xb), yb)
+opt.zero_grad()
+loss.backward()
+opt.step()
+
+# %% [markdown]
+# Identical: the dropout mask came from the restored generator, so both runs drew the same one, and
+# Adam stepped once (its step counter says 1). Now let the second run continue from the generator
+# state the first one left — what happens when a cell does not seed and you re-run it:
+
+# %%
+assert _repro.identical and opt.state[net[0].weight]["step"].item() == 1
+
+# %%
+%%repro --no-restore-rng
+loss = F.mse_loss(net(xb), yb)
+opt.zero_grad()
+loss.backward()
+opt.step()
+
+# %%
+first = _repro.first
+print(_repro.cause, "|", first.op, "in", first.module, "at line", first.lineno, "|", first.phase)
+assert _repro.cause == "rng" and first.op == "aten.bernoulli_.float" and first.module == "net.2"
+
+# %% [markdown]
+# The dropout op (`aten.bernoulli_`, module `net.2`, line 1 of the cell) drew a different mask. A value
+# from Python that the previous run changed is `external` — here a list the cell appends to, which the
+# snapshot cannot restore (it is not torch state):
+
+# %%
+history = []
+
+# %%
+%%repro
+history.append(1)
+scale = 1.0 + 0.1 * len(history)
+out = net[0](xb) * scale
+
+# %%
+assert _repro.cause == "external" and _repro.first.lineno == 3
+print(_repro.first.input)
+
+# %% [markdown]
+# On a GPU, the `index_add_` of section 2 is the classic `nondeterministic_op`: same inputs, a
+# different sum in the last bits. The report lists the ops PyTorch documents as nondeterministic on
+# the device, and a preflight of the settings (deterministic flag, `CUBLAS_WORKSPACE_CONFIG`, TF32,
+# cuDNN benchmark, DataLoaders with unseeded workers). On a CPU the cell is identical:
+
+# %%
+%%repro
+table = scatter_rows(device)
+
+# %%
+assert _repro.cause in (None, "nondeterministic_op")
+print([(use.op, use.device, use.count) for use in _repro.nondeterministic_ops])
+
+# %% [markdown]
+# The Python twin takes a function and the state it changes, and returns the same report:
+
+# %%
+import torch_nbdebug
+
+def train_step():
+    loss = F.mse_loss(net(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+report = torch_nbdebug.repro(train_step, state=(net, opt))
+print(report.identical, report.cause)
+assert report.identical
+
+# %% [markdown]
 # ## Summary
 #
 # * Seed **every** generator (`random`, NumPy, `torch`, the `DataLoader`'s), and change one thing at
@@ -320,3 +431,5 @@ assert log[-1][4] and log[12][3] < log[5][3]             # training resumed, wit
 #   prefer the fused, stable functions (`log_softmax`, `cross_entropy`, `*_with_logits`).
 # * float16 overflows above 65 504 and underflows below ~6e-8: use bfloat16, or `GradScaler`, and
 #   read its scale: a few early skips are calibration, a collapsing scale is a bug.
+# * When two runs differ, `%%repro` names the first op that differs, its line and the cause (`rng`,
+#   `uninitialized`, `external`, `nondeterministic_op`), with the fix.

@@ -7,18 +7,19 @@ last ``nanwatch`` report found a NaN born inside this model, else at the first f
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
-import sys
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
 from torch_nbdebug.data.grads import Flag, GradTrace, LayerGrads
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.grads import Thresholds, layer_for_module, step_flags, trace_flags
 from torch_nbdebug.record.grads import GradRecorder, exact_rows, layers_of
-from torch_nbdebug.record.modules import module_roots, qualified_names
-from torch_nbdebug.record.source import user_frame
+from torch_nbdebug.record.modules import compiled_original, module_roots, qualified_names
+from torch_nbdebug.record.source import caller_frame, caller_namespace, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["grads", "record_gradients", "GradTrace", "GradReport", "GradRecording", "Thresholds"]
@@ -28,12 +29,15 @@ class GradReport(Displayable):
     """A :class:`GradTrace` with its flags, shown as the gradient stepper."""
 
     def __init__(self, trace: GradTrace, layer: Union[int, str, None] = None,
-                 limits: Thresholds = Thresholds()) -> None:
+                 limits: Thresholds = Thresholds(), skipped: tuple[str, ...] = ()) -> None:
         self._layer_request = layer
         self._limits = limits
+        self._skipped = skipped
         self._set(trace)
 
     def _set(self, trace: GradTrace) -> None:
+        if self._skipped:  # what the namespace held that could not be inspected, said once
+            trace = dataclasses.replace(trace, notes=trace.notes + (skipped_note(self._skipped),))
         self.trace = trace
         self.flags: tuple[Flag, ...] = trace_flags(trace, self._limits)
         self.start_layer = _start_layer(trace, self._layer_request, self.flags)
@@ -91,10 +95,12 @@ class GradReport(Displayable):
 class GradRecording(GradReport):
     """``with record_gradients(model) as trace:`` — filled when the block exits."""
 
-    def __init__(self, recorder: GradRecorder, layer: Union[int, str, None], limits: Thresholds) -> None:
+    def __init__(self, recorder: GradRecorder, layer: Union[int, str, None], limits: Thresholds,
+                 skipped: tuple[str, ...] = ()) -> None:
         self._recorder: Optional[GradRecorder] = recorder
         self._layer_request = layer
         self._limits = limits
+        self._skipped = skipped
         self.trace = None  # type: ignore[assignment]
 
     def __enter__(self) -> "GradRecording":
@@ -126,7 +132,8 @@ def grads(model: nn.Module, *, name: Optional[str] = None, namespace: Optional[M
 
     Every statistic covers every element (this runs once, so exactness beats speed).
     """
-    name = _check_model(model, name, namespace, "grads")
+    name, skipped = _check_model(model, name, namespace, "grads")
+    model = compiled_original(model) or model  # torch.compile's wrapper: its layers without `_orig_mod`
     _check_bins(bins)
     _, params, layers, infos, order = layers_of(model, name)
     if not any(p.grad is not None for p in params):
@@ -136,7 +143,7 @@ def grads(model: nn.Module, *, name: Optional[str] = None, namespace: Optional[M
 
     trace = GradTrace(name, infos, layers, (0,), stats[None], np.ones((1, len(params)), bool), (0,), hist[None],
                       rng[None], step_kind="snapshot", order=order, sample=None)
-    return GradReport(trace, layer, limits)
+    return GradReport(trace, layer, limits, skipped)
 
 
 def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace: Optional[Mapping[str, Any]] = None,
@@ -148,20 +155,34 @@ def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace:
     backward pass. ``sample`` bounds the elements per parameter used for histograms and counts;
     ``activations=True`` also records output/input statistics of every layer from forward hooks.
     """
-    name = _check_model(model, name, namespace, "record_gradients")
+    name, skipped = _check_model(model, name, namespace, "record_gradients")
+    _check_hookable(model, name)
+    model = compiled_original(model) or model  # torch.compile's wrapper: its layers without `_orig_mod`
     if not isinstance(sample, int) or sample < 1:
         raise InputError(f"sample must be a positive number of elements per parameter, got {sample!r}")
     _check_bins(bins)
     recorder = GradRecorder(model, name, sample=sample, bins=bins, activations=activations, exact_last=exact_last)
-    return GradRecording(recorder, layer, limits)
+    return GradRecording(recorder, layer, limits, skipped)
 
 
-def _check_model(model: Any, name: Optional[str], namespace: Optional[Mapping[str, Any]], what: str) -> str:
-    if not isinstance(model, nn.Module):
+def _check_model(model: Any, name: Optional[str], namespace: Optional[Mapping[str, Any]],
+                 what: str) -> tuple[str, tuple[str, ...]]:
+    """The model's name and what in the namespace could not be inspected (for a note)."""
+    if not issubclass(type(model), nn.Module):  # type(): a proxy's __class__ may raise
         raise InputError(f"{what} needs an nn.Module (your model); got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise InputError(f"{what}: this {type(model).__name__} has no parameters, so no gradients to show")
-    return name or _name_of(model, namespace)
+    return (name, ()) if name else _name_of(model, namespace)
+
+
+def _check_hookable(model: nn.Module, name: str) -> None:
+    """Recording needs forward hooks, which TorchScript modules refuse: say what works instead."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise InputError(
+            f"record_gradients({name}): {name} is a TorchScript module (torch.jit.script or trace), which "
+            f"does not allow the forward hooks recording needs. Record the original nn.Module instead: the "
+            f"scripted module shares its parameters, so `with record_gradients(model): loss = {name}(x)...` "
+            f"records the same gradients (%%grads model in the magic); grads({name}) after a backward works as is")
 
 
 def _check_bins(bins: Any) -> None:
@@ -169,23 +190,22 @@ def _check_bins(bins: Any) -> None:
         raise InputError(f"bins must be between 1 and 1024, got {bins!r}")
 
 
-def _name_of(model: nn.Module, namespace: Optional[Mapping[str, Any]]) -> str:
-    """The user's name for the model: from ``namespace`` (the magic passes the shell's), else from
-    the caller's line (``grads(net)`` → ``net``) or module globals, else ``model``.
-
-    A function's ``frame.f_locals`` is never read: on Python < 3.13 that snapshot stays attached to
-    the frame and would keep the user's tensors alive until the function returns.
-    """
+def _name_of(model: nn.Module, namespace: Optional[Mapping[str, Any]]) -> tuple[str, tuple[str, ...]]:
+    """The user's name for the model and the names that could not be inspected: from ``namespace``
+    (the magic passes the shell's), else as spelled on the caller's line (``grads(net)`` → ``net``,
+    ``record_gradients(self.model)``), else from the caller's locals and globals, else ``model``."""
     if namespace is None:
-        frame = user_frame(sys._getframe(1))
-        if frame is None:
-            return "model"
-        spelled = _argument_text(frame)
+        frame = caller_frame()
+        spelled = _argument_text(frame) if frame is not None else None
+        del frame
         if spelled is not None:
-            return spelled
-        namespace = frame.f_globals
-    found = qualified_names(module_roots(namespace)).get(id(model)) if namespace else None
-    return found or "model"
+            return spelled, ()
+    view = caller_namespace(namespace)
+    try:
+        return qualified_names(module_roots(view)).get(id(model)) or "model", view.skipped
+    finally:
+        if view is not namespace:
+            view.release()  # keep neither the caller's frame nor its locals
 
 
 def _argument_text(frame: Any) -> Optional[str]:

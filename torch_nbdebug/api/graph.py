@@ -12,8 +12,6 @@ The result is a :class:`GraphExplorer`: displays as text, a static SVG and the l
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections import ChainMap
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -25,6 +23,7 @@ from torch_nbdebug.process.graph_infer import infer_modules, used_modules
 from torch_nbdebug.record.graph import DEFAULT_MAX_NODES, build_graph, module_types, tensor_names
 from torch_nbdebug.record.graph_recorder import GraphRecorder, last_recording
 from torch_nbdebug.record.modules import module_roots, parameter_names
+from torch_nbdebug.record.source import UserNamespace, caller_namespace, skipped_note
 from torch_nbdebug.render.graph import GraphExplorer
 
 __all__ = ["graph", "record_graph", "GraphRecording", "GraphData", "GraphExplorer", "GraphNode"]
@@ -38,26 +37,37 @@ def graph(target: Any, *inputs: Any, names: Optional[Mapping[str, Any]] = None, 
     ``saved=True`` lists what each node saved for backward (shapes only); ``expand`` is ``"auto"``,
     ``"modules"``, ``"all"`` or a list of module paths to open.
     """
-    namespace = names if names is not None else _caller_namespace()
-    if not isinstance(max_nodes, int) or max_nodes < 1:
-        raise InputError(f"graph: max_nodes must be a positive int, not {max_nodes!r}")
-    if isinstance(target, nn.Module):
-        return _graph_of_model(target, inputs, namespace, saved, expand or "modules", max_nodes, title)
-    if isinstance(target, GraphRecording):
+    check_max_nodes(max_nodes)
+    kind = type(target)  # type(), not isinstance: an unbound proxy raises from __class__
+    if issubclass(kind, GraphRecording):
         return target.graph(*inputs, saved=saved, expand=expand, max_nodes=max_nodes, title=title)
-    if inputs:
+    if inputs and not issubclass(kind, nn.Module):
         raise InputError("graph(tensor) takes no inputs: pass a model to run (graph(model, x)) or only the tensor")
-    outputs = _outputs(target, namespace, title)
-    return _explore(outputs, namespace, {}, {}, saved, expand or "auto", max_nodes, title, recorded=False)
+    namespace = caller_namespace(names)
+    try:
+        if issubclass(kind, nn.Module):
+            return _graph_of_model(target, inputs, namespace, saved, expand or "modules", max_nodes, title)
+        outputs = _outputs(target, namespace, title)
+        return _explore(outputs, namespace, {}, {}, saved, expand or "auto", max_nodes, title, recorded=False)
+    finally:
+        if namespace is not names:  # ours: drop the caller's frame
+            namespace.release()
+
+
+def check_max_nodes(max_nodes: Any) -> None:
+    """The one rule for ``max_nodes`` (``graph(max_nodes=)`` and ``%graph --max-nodes``)."""
+    if type(max_nodes) is not int or max_nodes < 1:
+        raise InputError(f"max_nodes must be a positive number of nodes to walk (e.g. {DEFAULT_MAX_NODES}), "
+                         f"not {max_nodes!r}")
 
 
 class GraphRecording:
     """``with record_graph() as rec:`` records the module of every autograd node made inside."""
 
     def __init__(self, names: Optional[Mapping[str, Any]] = None, *, implicit: bool = False) -> None:
-        self.namespace = names
+        self.namespace: Optional[UserNamespace] = caller_namespace(names) if names is not None else None
         self._implicit = implicit  # names came from the caller's frame: look again when graphing
-        self._recorder = GraphRecorder(names)
+        self._recorder = GraphRecorder(self.namespace)
 
     def __enter__(self) -> "GraphRecording":
         self._recorder.__enter__()
@@ -67,7 +77,8 @@ class GraphRecording:
         try:
             self._recorder.__exit__(*exc)
         finally:
-            if self._implicit:  # graph() looks at the caller again; keep no snapshot of its locals
+            if self._implicit and self.namespace is not None:  # graph() looks at the caller again
+                self.namespace.release()  # keep neither the caller's frame nor its locals
                 self.namespace = None
 
     def outputs(self) -> list[torch.Tensor]:
@@ -77,53 +88,50 @@ class GraphRecording:
     def graph(self, *outputs: Any, saved: bool = False, expand: Any = None, max_nodes: int = DEFAULT_MAX_NODES,
               title: Optional[str] = None) -> GraphExplorer:
         """The graph behind ``outputs`` (default: the top-level modules' outputs), nested by module."""
-        namespace = _caller_namespace() if self._implicit or self.namespace is None else self.namespace
-        if not outputs:
-            found = self.outputs()
-            if not found:
-                raise InputError("nothing to graph: no module ran while recording, or its output is gone; "
-                                 "end the cell with the output tensor (e.g. `loss`)")
-            pairs = [(_name_of(t, namespace) or f"output{i}", t) for i, t in enumerate(found)]
-        else:
-            pairs = _outputs(outputs[0] if len(outputs) == 1 else tuple(outputs), namespace, title)
-        rec = self._recorder
-        return _explore(pairs, namespace, rec.modules, rec.types, saved, expand or "auto", max_nodes, title,
-                        recorded=True)
+        check_max_nodes(max_nodes)
+        live = self.namespace is None
+        namespace = caller_namespace() if live else self.namespace
+        assert namespace is not None
+        try:
+            if not outputs:
+                found = self.outputs()
+                if not found:
+                    raise InputError("nothing to graph: no module ran while recording, or its output is gone; "
+                                     "end the cell with the output tensor (e.g. `loss`)")
+                pairs = [(_name_of(t, namespace) or f"output{i}", t) for i, t in enumerate(found)]
+            else:
+                pairs = _outputs(outputs[0] if len(outputs) == 1 else tuple(outputs), namespace, title)
+            rec = self._recorder
+            return _explore(pairs, namespace, rec.modules, rec.types, saved, expand or "auto", max_nodes, title,
+                            recorded=True)
+        finally:
+            if live:
+                namespace.release()
 
 
 def record_graph(names: Optional[Mapping[str, Any]] = None) -> GraphRecording:
     """Context manager: ``with record_graph() as rec: ...`` then ``rec.graph(loss)``."""
     if names is None:
-        return GraphRecording(_caller_namespace(), implicit=True)
+        return GraphRecording(caller_namespace(), implicit=True)
     return GraphRecording(names)
 
 
-def _caller_namespace() -> Mapping[str, Any]:
-    """The variables of the user's frame that called into this module (globals, then locals)."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and frame.f_globals.get("__name__") == __name__:
-            frame = frame.f_back
-        if frame is None:
-            return {}
-        if frame.f_locals is frame.f_globals:  # module level or a notebook: stay live, see later names
-            return frame.f_globals
-        return ChainMap(frame.f_locals, frame.f_globals)
-    finally:
-        del frame
+def _skipped(namespace: Mapping[str, Any]) -> tuple[str, ...]:
+    return namespace.skipped if isinstance(namespace, UserNamespace) else ()
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
+    if issubclass(type(value), torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
     return f"a {type(value).__name__}"
 
 
 def _outputs(target: Any, namespace: Mapping[str, Any], title: Optional[str]) -> list[tuple[str, torch.Tensor]]:
     """Check the target is a tensor (or tensors) with a graph; name each one."""
-    items = list(target.values()) if isinstance(target, dict) else \
-        list(target) if isinstance(target, (tuple, list)) else [target]
-    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    kind = type(target)
+    items = list(dict.values(target)) if issubclass(kind, dict) else \
+        list(target) if issubclass(kind, (tuple, list)) else [target]
+    tensors = [t for t in items if issubclass(type(t), torch.Tensor)]
     if not tensors:
         raise InputError(f"graph needs a tensor with a grad_fn or an nn.Module; got {_describe(target)}")
     with_graph = [t for t in tensors if t.grad_fn is not None]
@@ -165,10 +173,11 @@ def _graph_of_model(model: nn.Module, inputs: Sequence[Any], namespace: Mapping[
     if not inputs:
         raise InputError(f"graph({type(model).__name__}) needs example inputs to run the forward: graph(model, x) "
                          f"(in the magic: %graph model --input x)")
+    view = namespace
     model_name = next((k for k, v in namespace.items() if v is model and not k.startswith("_")), None)
     if model_name is None:
         model_name = type(model).__name__.lower()
-        namespace = {**namespace, model_name: model}
+        namespace = {**dict(namespace.items()), model_name: model}
     args = [_graph_input(x) for x in inputs]
     input_names = {id(a): (_name_of(x, namespace) if isinstance(x, torch.Tensor) else None) or f"input{i}"
                    for i, (a, x) in enumerate(zip(args, inputs))}
@@ -181,10 +190,11 @@ def _graph_of_model(model: nn.Module, inputs: Sequence[Any], namespace: Mapping[
                          f"(shapes, dtypes) and try again") from exc
     label = title or f"{model_name}(...)"
     pairs = _outputs(out, {}, label)
-    names = {**namespace, **{n: a for a, n in ((a, input_names[id(a)]) for a in args if isinstance(a, torch.Tensor))}}
+    names = {**dict(namespace.items()),
+             **{n: a for a, n in ((a, input_names[id(a)]) for a in args if isinstance(a, torch.Tensor))}}
     rec = recording._recorder
     return _explore(pairs, names, rec.modules, rec.types, saved, expand, max_nodes, title or f"graph of {label}",
-                    recorded=True)
+                    recorded=True, skipped=_skipped(view))
 
 
 def _graph_input(x: Any) -> Any:
@@ -199,7 +209,7 @@ def _graph_input(x: Any) -> Any:
 
 def _explore(outputs: list[tuple[str, torch.Tensor]], namespace: Mapping[str, Any],
              modules: Mapping[int, tuple[str, str]], types: Mapping[str, str], saved: bool, expand: Any,
-             max_nodes: int, title: Optional[str], recorded: bool) -> GraphExplorer:
+             max_nodes: int, title: Optional[str], recorded: bool, skipped: tuple[str, ...] = ()) -> GraphExplorer:
     roots = module_roots(namespace)
     if not modules:  # a later `%graph loss` still knows the modules of the last recorded forward
         modules, last_types = last_recording()
@@ -215,6 +225,9 @@ def _explore(outputs: list[tuple[str, torch.Tensor]], namespace: Mapping[str, An
     elif any(n.module for n in ops):
         data = GraphData(**{**_fields(data), "source": "recorded"})
     data = mark_nan_birth(used_modules(data))
+    skipped = tuple(dict.fromkeys(skipped + _skipped(namespace)))
+    if skipped:
+        data = GraphData(**{**_fields(data), "notes": data.notes + (skipped_note(skipped),)})
     if len(data.nodes) > 20_000:
         data = GraphData(**{**_fields(data), "notes": data.notes + (
             f"{len(data.nodes):,} nodes: showing the graph collapsed; click a group to open it, or search",)})

@@ -7,9 +7,8 @@ say so in one line.
 from __future__ import annotations
 
 import pickle
-import sys
 import warnings
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -18,6 +17,8 @@ from torch_nbdebug.data import memory as data
 from torch_nbdebug.data.memory import NO_CUDA_NOTE
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.memory import build_timeline, cpu_snapshot
+from torch_nbdebug.record.source import caller_namespace, skipped_note
+from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["memory_state", "memory_timeline", "write_snapshot", "MemoryState", "MemoryTimeline"]
@@ -88,16 +89,20 @@ def memory_state(namespace: Optional[Mapping[str, Any]] = None, *, device: Optio
                  top: int = 10) -> MemoryState:
     """Memory now: live tensor bytes by category and the ``top`` largest tensors named by their holder.
 
-    ``namespace`` names holders (default: the caller's globals); ``device`` is "cpu" or "cuda"
+    ``namespace`` names holders (default: the caller's locals and globals); ``device`` is "cpu" or "cuda"
     (default: CUDA when available).
     """
     from torch_nbdebug.record.memory_state import capture_state
 
     if int(top) < 0:
         raise InputError(f"top={top}: pass a count of tensors to list, e.g. top=10")
-    ns = namespace if namespace is not None else sys._getframe(1).f_globals
     device_type, _, note = resolve_device(device)
-    return MemoryState.from_data(capture_state(ns, device_type=device_type, top=int(top), note=note))
+    ns = caller_namespace(namespace)
+    try:
+        state = capture_state(ns, device_type=device_type, top=int(top), note=note)
+        return MemoryState.from_data(replace(state, note=join_notes(state.note, skipped_note(ns.skipped))))
+    finally:
+        ns.release()
 
 
 class memory_timeline:
@@ -113,7 +118,7 @@ class memory_timeline:
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, device: Optional[str] = None,
                  export: Optional[str] = None, top: int = 10, record_lines: bool = True,
                  scan_gc: bool = False) -> None:
-        self.namespace = namespace if namespace is not None else sys._getframe(1).f_globals
+        self.namespace = caller_namespace(namespace)  # read live when the block starts and ends
         self.device_type, self.cuda_index, self.note = resolve_device(device)
         self.export = export
         self.top = int(top)
@@ -122,16 +127,29 @@ class memory_timeline:
         self.timeline = MemoryTimeline()
         self._recorder: Any = None
         self._history: Any = None
+        self._compiled: Optional[CompiledCode] = None
 
     def __enter__(self) -> MemoryTimeline:
         from torch_nbdebug.record.memory import MemoryRecorder
 
+        # The recorder's dispatch mode would make torch.compile drop compiled code for good.
+        self._compiled = CompiledCode(self.namespace, "memory_timeline recorded it (compiled code cannot run under "
+                                      "the recorder's dispatch mode), so the timeline shows eager memory use"
+                                      ).__enter__()
+        try:
+            self._start(MemoryRecorder)
+        except BaseException:
+            self._compiled.__exit__(None, None, None)
+            raise
+        return self.timeline
+
+    def _start(self, recorder_class: Any) -> None:
         if self.device_type == "cuda":
             from torch_nbdebug.record.memory_cuda import CudaHistory
 
             self._history = CudaHistory()
             self._history.__enter__()
-        self._recorder = MemoryRecorder(self.namespace, device_type=self.device_type,
+        self._recorder = recorder_class(self.namespace, device_type=self.device_type,
                                         record_lines=self.record_lines, scan_gc=self.scan_gc)
         try:
             self._recorder.start()
@@ -139,15 +157,18 @@ class memory_timeline:
             if self._history is not None:
                 self._history.__exit__(None, None, None)
             raise
-        return self.timeline
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             try:
                 recording = self._recorder.stop()  # removes the mode and hooks whatever happens
             finally:
-                if self._history is not None:
-                    self._history.__exit__(None, None, None)
+                try:
+                    if self._history is not None:
+                        self._history.__exit__(None, None, None)
+                finally:
+                    if self._compiled is not None:
+                        self._compiled.__exit__(None, None, None)
             self.timeline._fill(build_timeline(self._recording(recording), top=self.top))
             if self.export:
                 self._write_export()
@@ -158,20 +179,30 @@ class memory_timeline:
             warnings.warn(f"torch_nbdebug could not build the memory timeline: {err!r}", RuntimeWarning)
         finally:
             self._recorder = None
+            self.namespace.release()  # keep neither the caller's frame nor its locals
 
     def _recording(self, recording: data.MemoryRecording) -> data.MemoryRecording:
         if self._history is None:
-            from dataclasses import replace
-
-            return replace(recording, note=self.note)
+            return replace(recording, note=self._note())
         from torch_nbdebug.record.memory_cuda import recording_from_snapshot
 
         snapshot = self._history.snapshot or {}
         return recording_from_snapshot(snapshot, self.cuda_index, tagged=recording,
-                                       start_us=self._history.start_us, note=self.note)
+                                       start_us=self._history.start_us, note=self._note())
+
+    def _note(self) -> str:
+        """The device note; when compiled code ran eagerly under the recording, a sentence on that; and
+        what in the namespace could not be inspected."""
+        compiled = self._compiled.note if self._compiled is not None else ""
+        return join_notes(self.note, compiled, skipped_note(self.namespace.skipped))
 
     def _write_export(self) -> None:
         write_snapshot(self.timeline, str(self.export))
+
+
+def join_notes(*notes: str) -> str:
+    """The one-line notes of a memory view, in order, without empty ones."""
+    return "; ".join(n for n in notes if n)
 
 
 def write_snapshot(tl: data.MemoryTimeline, path: str) -> str:

@@ -5,15 +5,15 @@ exception passes through unchanged (a ``NanBirthError`` from ``raise_on_birth`` 
 """
 from __future__ import annotations
 
-import sys
 import types
 from typing import Any, Iterator, Mapping, Optional
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
+from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.nanwatch import NanRecorder
-from torch_nbdebug.record.source import cell_source
+from torch_nbdebug.record.source import UserNamespace, caller_frame, caller_namespace, cell_source, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanBirthError"]
@@ -21,6 +21,10 @@ __all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanB
 MODES = ("op", "module")
 _SOURCE_WINDOW = 300
 _last: Optional["NanReport"] = None
+_COMPILED_PURPOSE = {
+    "op": "nanwatch checked each of its ops (compiled code cannot run under the watch's dispatch mode)",
+    "module": "nanwatch checked each module's output (compiled, its modules are fused and unseen)",
+}
 
 
 class NanReport(Displayable):
@@ -77,51 +81,32 @@ class NanReport(Displayable):
         return self.summary.to_dict()
 
 
-class _LiveNamespace(Mapping[str, Any]):
-    """The caller's globals and locals, read live (a model created inside the block is named too)."""
-
-    def __init__(self, frame: Optional[types.FrameType]) -> None:
-        self._frame = frame
-
-    def _merged(self) -> dict[str, Any]:
-        if self._frame is None:
-            return {}
-        return {**self._frame.f_globals, **self._frame.f_locals}
-
-    def __getitem__(self, key: str) -> Any:
-        # One lookup, not a merge per key: notebooks hold thousands of names.
-        if self._frame is None:
-            raise KeyError(key)
-        if key in self._frame.f_locals:
-            return self._frame.f_locals[key]
-        return self._frame.f_globals[key]
-
-    def items(self) -> Any:  # one merge for a whole scan (module_roots, holders)
-        return self._merged().items()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._merged())
-
-    def __len__(self) -> int:
-        return len(self._merged())
-
-    def release(self) -> None:
-        self._frame = None
-
-
 class NanWatch:
     """The context manager returned by :func:`nanwatch`."""
 
     def __init__(self, namespace: Optional[Mapping[str, Any]], options: dict[str, Any],
                  caller: Optional[types.FrameType]) -> None:
-        self._live = _LiveNamespace(caller) if namespace is None else None
+        # The caller's locals and globals, read live (a model made inside the block is named too);
+        # values that cannot be inspected are skipped and noted.
+        self._live = UserNamespace(frame=caller) if namespace is None else caller_namespace(namespace)
         self._caller_file = caller.f_code.co_filename if caller is not None else None
         self.options = options
         self.report = NanReport()
-        self._recorder = NanRecorder(namespace if namespace is not None else self._live, **options)
+        self._recorder = NanRecorder(self._live, **options)
+        # Compiled code runs eagerly under the watch, so each op (op mode; a dispatch mode would make
+        # torch.compile drop the compiled code for good) or each module's output (module mode; compiled,
+        # only dynamo's fused GraphModule is seen) is checked, and compiled again afterwards.
+        self._compiled: Optional[CompiledCode] = CompiledCode(self._live, _COMPILED_PURPOSE[options["mode"]])
 
     def __enter__(self) -> NanReport:
-        self._recorder.start()
+        if self._compiled is not None:
+            self._compiled.__enter__()
+        try:
+            self._recorder.start()
+        except BaseException:
+            if self._compiled is not None:
+                self._compiled.__exit__(None, None, None)
+            raise
         return self.report
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
@@ -130,13 +115,14 @@ class NanWatch:
             self._recorder.stop()
         finally:
             try:
+                if self._compiled is not None:
+                    self._compiled.__exit__(None, None, None)
                 summary = self._summary(exc)
             except Exception as err:  # noqa: BLE001 - never replace the user's exception with ours
                 summary = NanSummary(notes=(f"nanwatch could not build its report: {type(err).__name__}: {err}",))
             self.report.summary, self.report.finished = summary, True
             _last = self.report
-            if self._live is not None:
-                self._live.release()
+            self._live.release()  # keep neither the caller's frame nor its locals
             self._recorder.namespace = None
         if isinstance(exc, NanBirthError) and exc.report is None:
             _complete_error(exc, self.report)
@@ -145,11 +131,15 @@ class NanWatch:
     def _summary(self, exc: Optional[BaseException]) -> NanSummary:
         rec = self._recorder
         notes = list(_notes(rec, exc))
-        summary = summarize_watch(rec.events, rec.absorbed, rec.layers.rows(set()), mode=rec.mode,
-                                  ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.dropped,
+        if self._compiled is not None and self._compiled.note:
+            notes.append(self._compiled.note)
+        if self._live.skipped:
+            notes.append(skipped_note(self._live.skipped))
+        events, absorbed = rec.log.take()
+        summary = summarize_watch(events, absorbed, rec.layers.rows(set()), mode=rec.options.mode,
+                                  ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.log.dropped,
                                   notes=tuple(notes), options=dict(self.options))
         rec.layers.clear()
-        rec.events = []
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
         return _with_source(summary, filename)
 
@@ -193,23 +183,23 @@ def _source_window(filename: str, lineno: Optional[int]) -> tuple[int, str]:
 
 
 def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
-    saw_torch = rec.ops_seen > 0 or bool(rec.layers._rows) or bool(rec._optim and rec._optim.steps)
-    if not saw_torch and exc is None:
+    opts, log = rec.options, rec.log
+    if not rec.saw_torch() and exc is None:
         yield ("the code ran no torch operations, so there was nothing to watch: put the model call, "
                "loss.backward() and optimizer.step() inside the watched cell")
-    if rec.mode == "module":
+    if opts.mode == "module":
         yield "module-level mode: only module outputs (and gradients into them) were checked"
-    if not rec.backward:
+    if not opts.backward:
         yield "backward pass not watched (--no-backward)"
-    if not rec.optimizer:
+    if not opts.optimizer:
         yield "optimizer steps not watched (--no-optimizer)"
-    if rec.ignore_inf:
+    if opts.ignore_inf:
         yield "Inf values ignored (--ignore-inf): only NaN births are reported"
-    if len(rec.events) >= rec.max_events or rec.dropped:
-        yield (f"checking stopped after the first {rec.max_events} births (raise the limit with "
+    if log.full() or log.dropped:
+        yield (f"checking stopped after the first {opts.max_events} births (raise the limit with "
                f"max_events= / --max-events)")
-    if rec.scaler_skips:
-        steps = ", ".join(str(i) for i in sorted(rec.scaler_skips)[:10])
+    if log.scaler_skips:
+        steps = ", ".join(str(i) for i in sorted(log.scaler_skips)[:10])
         yield (f"GradScaler skipped the optimizer step in iteration(s) {steps} because of inf/NaN gradients "
                "(its normal loss-scale calibration): those backward births are listed as absorbed")
     if rec.other_thread:
@@ -227,7 +217,8 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
 
     mode: ``"op"`` (default) checks every ATen op that can create a NaN/Inf; ``"module"`` checks only
     module outputs (cheaper, names the module but not the op). backward/optimizer: watch those phases.
-    ignore_inf: report NaN only. raise_on_birth: raise :class:`NanBirthError` at the first birth.
+    ignore_inf: report NaN only. raise_on_birth: raise :class:`NanBirthError` at the first birth (with
+    defer, each check is then read at once: raising at the birth's line needs it).
     namespace: where to find variable names for modules/parameters (default: the caller's).
     defer: keep flags on the device and read them at module boundaries (default: True on CUDA).
     """
@@ -245,7 +236,7 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
         defer = _cuda_in_use()
     options = dict(mode=mode, backward=backward, optimizer=optimizer, ignore_inf=ignore_inf,
                    raise_on_birth=raise_on_birth, defer=defer, max_events=max_events)
-    caller = sys._getframe(1) if namespace is None else None
+    caller = caller_frame() if namespace is None else None  # the one definition of "the caller"
     return NanWatch(namespace, options, caller)
 
 

@@ -5,12 +5,31 @@ Nothing here holds a tensor: statistics are :class:`TensorStats`, places are str
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from torch_nbdebug.data.stats import TensorStats
 
-PHASES = ("forward", "backward", "optimizer", "input")
-KINDS = ("nan", "inf")
+Phase = Literal["forward", "backward", "optimizer", "input"]
+Kind = Literal["nan", "inf"]
+ParamKind = Literal["parameter", "buffer"]
+# Why a NaN/Inf was born, when the recorder or the hint rules can tell (the hint is written from it).
+Cause = Literal[
+    "user_backward",            # a custom autograd.Function backward or a tensor hook made it
+    "grad_scaler_skip",         # GradScaler found it and skipped the step (expected calibration)
+    "nonfinite_parameter",      # a parameter held NaN/Inf before this op (``param`` names it)
+    "nonfinite_buffer",         # a buffer (BatchNorm running statistics) held NaN/Inf (``param``)
+    "input_data",               # the data coming in held NaN/Inf
+    "where_trap",               # torch.where/masked_fill threw the forward value away, not its gradient
+    "lr_growth",                # the learning rate grew until the update or the loss overflowed (``lr``)
+    "ctc_target_too_long",      # CTC loss: a target longer than its input has no alignment (inf)
+    "clamp_at_domain_edge",     # clamp to exactly 0 in front of sqrt/rsqrt/log: infinite gradient there
+    "all_masked_row",           # logsumexp/softmax over a row that is entirely -inf
+    "log_of_zero_probability",  # log of probabilities that underflowed to 0 (kl_div, entropy)
+    "adam_eps_underflow",       # Adam's eps rounds to 0 in float16: 0/0 in the update
+    "repeated_eigenvalues",     # eigh/svd backward divides by differences of equal eigenvalues
+]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "input")
+KINDS: tuple[Kind, ...] = ("nan", "inf")
 
 
 @dataclass(frozen=True)
@@ -22,11 +41,16 @@ class NanEvent:
     ``"input"`` events. ``filename``/``lineno`` are the user's own line (a notebook cell line):
     for backward births, the forward line that created the node. ``iteration`` is 1-based: the
     forward/backward pass (or optimizer step) of a loop in which the birth happened.
+
+    Structured facts for the hint (never parsed back out of ``detail``, which is for people):
+    ``cause``; ``param``/``param_kind`` for a parameter or buffer that carried it; ``lr``/``eps``/
+    ``grad_finite`` for optimizer events (``lr`` also on later births when the learning rate grew);
+    ``input_op``, the autograd node that made the op's first input (``ClampMinBackward0``).
     """
 
-    phase: str
+    phase: Phase
     op: str
-    kind: str
+    kind: Kind
     module: Optional[str] = None
     filename: Optional[str] = None
     lineno: Optional[int] = None
@@ -46,6 +70,13 @@ class NanEvent:
     absorbed_forward: bool = False
     deferred: bool = False
     detail: str = ""
+    cause: Optional[Cause] = None
+    param_kind: Optional[ParamKind] = None
+    lr: Optional[float] = None
+    lr_step: Optional[int] = None
+    eps: Optional[float] = None
+    grad_finite: Optional[bool] = None
+    input_op: Optional[str] = None
 
     @property
     def step(self) -> int:
@@ -67,6 +98,9 @@ class NanEvent:
     def title(self) -> str:
         """One line: ``NaN born in forward: aten.log.default in model.fc (line 3)``."""
         what = "NaN" if self.kind == "nan" else "Inf"
+        if self.phase == "input" and self.param:
+            carrier = f"{self.param_kind or 'parameter'} {self.param}"
+            return f"{what} already in {carrier}, first used by {self.op}" + _at(self)
         if self.phase == "input":
             return f"{what} already in the input data, first used by {self.op}" + _at(self)
         if self.phase == "optimizer":

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ast
+import asyncio
+import inspect
+import types
 from typing import Any, Callable, Optional, TypeVar
 
 from IPython.core.error import UsageError
@@ -33,6 +36,7 @@ def require_body(cell: Optional[str], magic: str) -> str:
 
 def evaluate(shell: Any, expression: str, what: str) -> Any:
     """Evaluate a user expression in the user namespace, or say clearly why it cannot be."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     expression = expression.strip()
     if not expression:
         raise UsageError(f"{what}: name a variable or write an expression")
@@ -49,27 +53,76 @@ def usage_errors(exc: InputError) -> UsageError:
     return UsageError(str(exc))
 
 
-def run_body(shell: Any, cell: str) -> Any:
+class CellBody:
+    """A cell body compiled the way IPython compiles a cell, ready to run in the user namespace.
+
+    Compiling first means a syntax error, an empty body or an ``await`` that cannot run here is a
+    ``UsageError`` before any tool starts watching; :meth:`run` then only runs the user's code, whose
+    exception propagates unchanged.
+    """
+
+    def __init__(self, shell: Any, cell: str, magic: str = "") -> None:
+        self.shell = shell
+        self._prefix = f"%%{magic}: " if magic else ""
+        source = shell.transform_cell(cell)
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            raise UsageError(f"{self._prefix}the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
+        if not tree.body:
+            where = f"under the %%{magic} line" if magic else "in the cell"
+            raise UsageError(f"{self._prefix}the cell has no code to run (only comments): put the code {where}")
+        filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
+        last = tree.body.pop().value if isinstance(tree.body[-1], ast.Expr) else None
+        self._body = self._compile(ast.Module(tree.body, []), filename, "exec") if tree.body else None
+        self._last = self._compile(ast.Expression(last), filename, "eval") if last is not None else None
+
+    def _compile(self, tree: ast.AST, filename: str, mode: str) -> types.CodeType:
+        """Compiled with top-level ``await`` allowed when IPython allows it (``%autoawait``)."""
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT if getattr(self.shell, "autoawait", False) else 0
+        try:
+            with self.shell.compile.extra_flags(flags):
+                code = self.shell.compile(tree, filename, mode)
+        except SyntaxError as exc:  # 'await' outside function, when %autoawait is off
+            raise UsageError(f"{self._prefix}{exc.msg} (line {exc.lineno}); turn on %autoawait or move the "
+                             f"await out of this cell") from None
+        if code.co_flags & inspect.CO_COROUTINE and _loop_running():
+            raise UsageError(f"{self._prefix}this cell uses top-level `await`, which cannot run inside a magic "
+                             f"while Jupyter's event loop is running: run the `await` line in its own cell "
+                             f"first (e.g. `batch = await fetch()`), then run the magic on the synchronous code")
+        return code
+
+    def run(self) -> Any:
+        """Run the body, returning the value of its last expression (None if it ends in a statement)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
+        if self._body is not None:
+            self._execute(self._body)
+        return self._execute(self._last) if self._last is not None else None
+
+    def _execute(self, code: types.CodeType) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
+        value = eval(code, self.shell.user_global_ns, self.shell.user_ns)
+        if code.co_flags & inspect.CO_COROUTINE:  # top-level await: run it the way IPython runs the cell
+            value = self.shell.loop_runner(value)
+        return value
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_body(shell: Any, cell: "str | CellBody", magic: str = "") -> Any:
     """Run a cell body in the user namespace the way IPython would, returning its last expression.
 
     The body is transformed (so ``%magics`` and ``!shell`` lines inside it work), compiled through
-    IPython's caching compiler (so tracebacks and ``linecache`` show the real cell lines) and run
-    with ``exec``: the user's exception propagates unchanged to the caller.
+    IPython's caching compiler (so tracebacks and ``linecache`` show the real cell lines), with
+    top-level ``await`` where IPython allows it, and run: the user's exception propagates unchanged.
+    Pass a :class:`CellBody` compiled before the tool starts to report bad cells first.
     """
-    source = shell.transform_cell(cell)
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        raise UsageError(f"the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    if not tree.body:
-        raise UsageError("the cell has no code to run")
-    filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
-    last: Optional[ast.expr] = None
-    if isinstance(tree.body[-1], ast.Expr):
-        last = tree.body.pop().value
-    if tree.body:
-        exec(shell.compile(tree, filename, "exec"), shell.user_global_ns, shell.user_ns)
-    if last is not None:
-        expr = ast.Expression(last)
-        return eval(shell.compile(expr, filename, "eval"), shell.user_global_ns, shell.user_ns)
-    return None
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
+    body = cell if isinstance(cell, CellBody) else CellBody(shell, cell, magic)
+    return body.run()

@@ -12,7 +12,7 @@ from torch import nn
 from torch_nbdebug.api.grads import grads as grads_snapshot
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import evaluate, parse_args, require_body, run_body, usage_errors
+from torch_nbdebug.magics._common import CellBody, evaluate, parse_args, require_body, usage_errors
 
 
 @magics_class
@@ -36,9 +36,10 @@ class GradsMagics(Magics):
         ``%%grads model`` above a training loop: statistics at every optimizer step (or every
         backward when no optimizer steps), with a step axis.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.grads, line)
         model = evaluate(self.shell, args.model, "%grads")
-        if not isinstance(model, nn.Module):
+        if not issubclass(type(model), nn.Module):  # type(): a proxy's __class__ may raise
             raise UsageError(f"%grads needs an nn.Module (your model); {args.model} is a {type(model).__name__}")
         layer = _layer_arg(args.layer)
         if cell is None:
@@ -47,7 +48,7 @@ class GradsMagics(Magics):
             except InputError as exc:
                 raise usage_errors(exc) from None
             return _show(result, args.output)
-        body = require_body(cell, "grads")
+        body = CellBody(self.shell, require_body(cell, "grads"), "grads")  # bad cells fail before recording
         try:
             recording = record_gradients(model, namespace=self.shell.user_ns, layer=layer, bins=args.bins,
                                          sample=args.sample, activations=args.activations)
@@ -56,7 +57,7 @@ class GradsMagics(Magics):
         shown = None
         try:
             with recording:
-                run_body(self.shell, body)
+                body.run()
         finally:
             # Show what was recorded even when the loop raised: the failure may be why the user looks.
             if recording.trace is not None:

@@ -10,9 +10,9 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from torch import nn
 
-from torch_nbdebug.api.graph import GraphExplorer, graph as graph_api, record_graph
+from torch_nbdebug.api.graph import GraphExplorer, check_max_nodes, graph as graph_api, record_graph
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import evaluate, parse_args, require_body, run_body, usage_errors
+from torch_nbdebug.magics._common import CellBody, evaluate, parse_args, require_body, usage_errors
 from torch_nbdebug.record.graph import DEFAULT_MAX_NODES
 
 
@@ -37,7 +37,12 @@ class GraphMagics(Magics):
         %graph model --input x      the module-level graph of model(x)
         %%graph                     record the forward in the cell: every node knows its module
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.graph, line)
+        try:
+            check_max_nodes(args.max_nodes)
+        except InputError as exc:
+            raise UsageError(f"%graph --max-nodes {args.max_nodes}: {exc}") from None
         expand = _expand(args.expand)
         try:
             if cell is not None:
@@ -52,12 +57,13 @@ class GraphMagics(Magics):
         return None
 
     def _line(self, expression: str, args: Any, expand: Any) -> GraphExplorer:
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         if not expression.strip():
             raise UsageError("%graph needs a tensor expression (%graph loss) or a model and --input")
         ns = self.shell.user_ns
         if args.input:
             model = evaluate(self.shell, expression, "%graph")
-            if not isinstance(model, nn.Module):
+            if not issubclass(type(model), nn.Module):
                 raise UsageError(f"%graph {expression} --input ...: `{expression}` is a {type(model).__name__}, "
                                  f"not an nn.Module; drop --input to graph a tensor expression")
             # tokens were split at spaces: rejoin them and read "x, y" or "torch.ones(3, 5)" as a tuple
@@ -70,15 +76,22 @@ class GraphMagics(Magics):
                 raise
             except Exception as exc:
                 raise UsageError(f"%graph: evaluating `{expression}` raised {type(exc).__name__}: {exc}") from None
-        if isinstance(value, nn.Module):
+        if issubclass(type(value), nn.Module):
             raise UsageError(f"%graph {expression}: `{expression}` is a model; give it example inputs: "
                              f"%graph {expression} --input x")
         _check_tensor(value, expression)
         return rec.graph(value, saved=args.saved, expand=expand, max_nodes=args.max_nodes, title=expression)
 
-    def _cell(self, body: str, args: Any, expand: Any) -> GraphExplorer:
-        with record_graph(names=self.shell.user_ns) as rec:
-            value = run_body(self.shell, body)  # the user's exception propagates unchanged
+    def _cell(self, cell: str, args: Any, expand: Any) -> GraphExplorer:
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
+        body = CellBody(self.shell, cell, "graph")  # a bad cell is a UsageError before recording
+        rec = record_graph(names=self.shell.user_ns)
+        try:
+            with rec:
+                value = body.run()  # the user's exception propagates unchanged
+        except BaseException:
+            _show_partial(rec, args, expand)  # an error or Stop: show what ran, like the other magics
+            raise
         if _has_graph(value):
             return rec.graph(value, saved=args.saved, expand=expand, max_nodes=args.max_nodes)
         return rec.graph(saved=args.saved, expand=expand, max_nodes=args.max_nodes)
@@ -90,15 +103,26 @@ def _expand(text: Optional[str]) -> Any:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _show_partial(rec: Any, args: Any, expand: Any) -> None:
+    """Display the graph of the top-level modules that ran before the cell failed, if any is alive."""
+    try:
+        if not rec.outputs():
+            return
+        partial = rec.graph(saved=args.saved, expand=expand, max_nodes=args.max_nodes)
+    except Exception:  # noqa: BLE001 - the user's exception is the one to see, not ours
+        return
+    display(partial)
+
+
 def _has_graph(value: Any) -> bool:
-    items = value if isinstance(value, (tuple, list)) else [value]
-    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in items)
+    items = value if issubclass(type(value), (tuple, list)) else [value]
+    return any(issubclass(type(t), torch.Tensor) and t.grad_fn is not None for t in items)
 
 
 def _check_tensor(value: Any, expression: str) -> None:
     """`%graph` needs a tensor with a grad_fn: say which of the two is missing, and what to do."""
-    items = value if isinstance(value, (tuple, list)) else [value]
-    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    items = value if issubclass(type(value), (tuple, list)) else [value]  # type(): proxies may raise
+    tensors = [t for t in items if issubclass(type(t), torch.Tensor)]
     if not tensors:
         raise UsageError(f"%graph needs a tensor with a grad_fn or an nn.Module; `{expression}` is a "
                          f"{type(value).__name__}")

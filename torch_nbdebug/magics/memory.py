@@ -9,7 +9,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import parse_args, run_body
+from torch_nbdebug.magics._common import CellBody, parse_args
 
 
 @magics_class
@@ -31,6 +31,7 @@ class MemoryMagics(Magics):
         %cudamem           the state now: bytes by category, largest tensors named by their holder
         %%cudamem          run the cell; show its memory timeline, the peak and any leaked tensors
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         from torch_nbdebug.api.memory import memory_state, memory_timeline, write_snapshot
 
         args = parse_args(self.cudamem, line)
@@ -42,6 +43,7 @@ class MemoryMagics(Magics):
                     raise UsageError("--export needs a cell to record: use it as %%cudamem --export file.pickle")
                 result = memory_state(self.shell.user_ns, device=args.device, top=args.top)
                 return result if args.output else display(result)
+            body = CellBody(self.shell, cell, "cudamem")  # a bad cell is a UsageError before recording
             scope = memory_timeline(self.shell.user_ns, device=args.device, top=args.top,
                                     record_lines=not args.no_lines)
         except InputError as exc:
@@ -49,7 +51,7 @@ class MemoryMagics(Magics):
         tl, finished = None, False
         try:
             with scope as tl:
-                run_body(self.shell, cell)  # like %%timeit: the timeline is shown, not the cell's value
+                body.run()  # like %%timeit: the timeline is shown, not the cell's value
             finished = True
         finally:
             # With -o the returned timeline is the cell's output; if the cell raised, show it here.

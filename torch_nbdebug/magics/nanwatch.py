@@ -1,7 +1,6 @@
 """``%%nanwatch``: run the cell and show where the first NaN/Inf was born."""
 from __future__ import annotations
 
-import ast
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
@@ -11,7 +10,7 @@ from IPython.display import display
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import parse_args, require_body, run_body, usage_errors
+from torch_nbdebug.magics._common import CellBody, parse_args, require_body, run_body, usage_errors
 
 
 @magics_class
@@ -39,11 +38,12 @@ class NanwatchMagics(Magics):
         ``%nanwatch`` on a line of its own shows the last report again (``-o`` returns it).
         Python twin: ``with torch_nbdebug.nanwatch(mode=..., raise_on_birth=...) as report:``.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.nanwatch, line)
         if cell is None:
             return self._show_last(args)
-        body = require_body(cell, "nanwatch")
-        _check_syntax(self.shell, body)
+        # syntax, an empty cell and a top-level await are checked before anything is watched
+        body = CellBody(self.shell, require_body(cell, "nanwatch"), "nanwatch")
         try:
             watch = nanwatch(mode=args.mode, backward=not args.no_backward, optimizer=not args.no_optimizer,
                              ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth,
@@ -73,17 +73,6 @@ class NanwatchMagics(Magics):
             return report
         display(report)
         return None
-
-
-def _check_syntax(shell: Any, body: str) -> None:
-    """A syntax error (or a cell of comments) is reported before anything is watched or shown."""
-    try:
-        tree = ast.parse(shell.transform_cell(body))
-    except SyntaxError as exc:
-        raise UsageError(f"%%nanwatch: the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    if not tree.body:
-        raise UsageError("%%nanwatch: the cell has no code to run (only comments): put the code to watch "
-                         "under the %%nanwatch line")
 
 
 MAGICS = NanwatchMagics

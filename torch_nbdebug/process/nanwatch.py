@@ -1,4 +1,8 @@
-"""Pure functions over nanwatch data: plain-language hints, the first birth, the final summary."""
+"""Pure functions over nanwatch data: plain-language hints, the first birth, the final summary.
+
+A known cause (:func:`cause_of`, a table of rules in :mod:`nanwatch_causes`) writes the hint; else the
+op, the phase and the input statistics do.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +10,9 @@ from typing import Iterable, Optional, Sequence
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.data.stats import TensorStats
+from torch_nbdebug.process.nanwatch_causes import CAUSE_HINTS as _CAUSE_HINTS
+from torch_nbdebug.process.nanwatch_causes import base_op as _base
+from torch_nbdebug.process.nanwatch_causes import cause_of
 
 _HALF_MAX = {"float16": 65504.0, "bfloat16": 3.39e38}
 
@@ -13,15 +20,6 @@ _HALF_MAX = {"float16": 65504.0, "bfloat16": 3.39e38}
 def first_birth(events: Sequence[NanEvent]) -> Optional[NanEvent]:
     """The earliest birth (events are kept in the order they happened)."""
     return events[0] if events else None
-
-
-def _base(op: str) -> str:
-    """``aten.log.default`` -> ``log``; ``SqrtBackward0`` -> ``sqrt``; ``aten.add_.Tensor`` -> ``add``."""
-    if op.endswith("Backward0") or op.endswith("Backward1"):
-        return op[: -len("Backward0")].lower()
-    parts = op.split(".")
-    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
-    return name.rstrip("_").lstrip("_")
 
 
 def _has(stats: Iterable[TensorStats], pred: str) -> bool:
@@ -41,32 +39,38 @@ def _half(event: NanEvent) -> Optional[str]:
 
 
 def hint(event: NanEvent, absorbed_ops: Sequence[str] = ()) -> str:
-    """A likely cause and a fix, in plain words, from the op, the phase and the input statistics."""
-    if event.phase == "input" and "parameter" in event.detail and "not a parameter" not in event.detail:
-        return (f"A {event.detail[len('non-finite '):]} already held NaN/Inf before this code ran: an earlier "
-                "training step diverged. Reload a checkpoint or re-initialise the model, then watch the "
-                "training loop to find the step where it was born.")
+    """A likely cause and a fix, in plain words, from the cause, the op, the phase and the statistics."""
+    cause = cause_of(event, absorbed_ops)
+    if cause is not None and cause in _CAUSE_HINTS:
+        return _CAUSE_HINTS[cause](event)
     if event.phase == "input":
-        return ("The data coming in already holds NaN/Inf, before any op made one: check the dataset or "
-                "preprocessing (e.g. assert torch.isfinite(x).all() when loading), or clean it with "
-                "torch.nan_to_num. This op only consumed it.")
+        return _CAUSE_HINTS["input_data"](event)
     if event.phase == "optimizer":
-        grad_ok = "gradient finite" in event.detail
-        why = ("the update itself overflowed: the learning rate is too large or growing"
-               if grad_ok and event.kind == "inf" else
-               "the update made NaN from a finite gradient: 0/0 in an adaptive step (Adam-style optimizers "
-               "divide by sqrt(v) + eps, so eps=0 with a zero gradient gives 0/0) or an inf/NaN learning rate; "
-               "keep eps > 0" if grad_ok else "the gradient or optimizer state was non-finite")
-        return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
-                f"{why} ({event.detail}). Lower the learning rate or fix the schedule, and clip gradients "
-                "(torch.nn.utils.clip_grad_norm_).")
-    if event.phase == "backward" and "GradScaler" in event.detail:
-        return ("GradScaler saw this overflow, skipped the optimizer step and lowered the loss scale: expected "
-                "now and then with float16 (it is how the scale is calibrated). Only a concern when most "
-                "steps are skipped: then find why the gradients overflow even at a small scale.")
+        return _optimizer_hint(event)
     if event.phase == "backward":
-        return _backward_hint(event, absorbed_ops)
+        return _backward_hint(event)
     return _forward_hint(_base(event.op), event)
+
+
+def _optimizer_hint(event: NanEvent) -> str:
+    grad_ok = event.grad_finite is True
+    why = ("the update itself overflowed: the learning rate is too large or growing"
+           if grad_ok and event.kind == "inf" else
+           "the update made NaN from a finite gradient: 0/0 in an adaptive step (Adam-style optimizers "
+           "divide by sqrt(v) + eps, so eps=0 with a zero gradient gives 0/0) or an inf/NaN learning rate; "
+           "keep eps > 0" if grad_ok else "the gradient or optimizer state was non-finite")
+    facts = ", ".join(f for f in (_lr(event.lr), _grad(event.grad_finite)) if f)
+    return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
+            f"{why}{f' ({facts})' if facts else ''}. Lower the learning rate or fix the schedule, and clip "
+            "gradients (torch.nn.utils.clip_grad_norm_).")
+
+
+def _lr(lr: Optional[float]) -> str:
+    return f"lr={lr:.4g}" if lr is not None else ""
+
+
+def _grad(finite: Optional[bool]) -> str:
+    return "" if finite is None else "gradient finite" if finite else "gradient non-finite"
 
 
 def _forward_hint(name: str, event: NanEvent) -> str:
@@ -128,18 +132,13 @@ def _is_norm(name: str) -> bool:
         or name.startswith("native_batch_norm_legit")
 
 
-def _backward_hint(event: NanEvent, absorbed_ops: Sequence[str]) -> str:
+def _fwd(event: NanEvent) -> str:
+    return f" (created by {event.forward_op} at line {event.forward_lineno})" if event.forward_op else ""
+
+
+def _backward_hint(event: NanEvent) -> str:
     name = _base(event.op)
-    fwd = f" (created by {event.forward_op} at line {event.forward_lineno})" if event.forward_op else ""
-    if "your own backward code" in event.detail:
-        return (f"Your own backward code made this gradient {event.kind.upper()} at line {event.lineno} "
-                f"({_base(event.aten_op or '') or 'an op'} on finite values): a custom autograd.Function.backward "
-                "or a gradient hook. Guard its divisions and logs (add eps, clamp) or check its formula "
-                "with torch.autograd.gradcheck.")
-    if event.absorbed_forward or (event.forward_op and event.forward_op in absorbed_ops):
-        return ("The torch.where trap: the forward threw the bad branch away, but its gradient is still "
-                f"computed: {event.op}{fwd} gives NaN at the masked positions. Make the unused branch safe "
-                "instead, e.g. torch.log(torch.where(mask, x, 1.0)) inside the where.")
+    fwd = _fwd(event)
     if "AccumulateGrad" in event.op:
         return ("Accumulating into .grad overflowed: the gradients summed over several backward calls passed the "
                 "dtype's largest number. Call optimizer.zero_grad() between steps, or scale the loss down "
@@ -171,7 +170,7 @@ def with_hints(events: Sequence[NanEvent], absorbed: Sequence[NanEvent] = ()) ->
     for e in events:
         if e.phase == "backward" and e.sequence_nr in absorbed_seqs:
             e = dataclasses.replace(e, absorbed_forward=True)
-        out.append(e if e.hint else dataclasses.replace(e, hint=hint(e, absorbed_ops)))
+        out.append(e if e.hint else dataclasses.replace(e, cause=cause_of(e, absorbed_ops), hint=hint(e, absorbed_ops)))
     return tuple(out)
 
 
@@ -186,6 +185,7 @@ def summarize_watch(events: Sequence[NanEvent], absorbed_idx: set[int], layers: 
                     **fields: object) -> NanSummary:
     """Split absorbed births off, add hints, mark the birth row: the report's data."""
     kept = [e for i, e in enumerate(events) if i not in absorbed_idx]
-    gone = [dataclasses.replace(e, hint=hint(e)) for i, e in enumerate(events) if i in absorbed_idx]
+    gone = [dataclasses.replace(e, cause=cause_of(e), hint=hint(e)) for i, e in enumerate(events) if i in absorbed_idx]
     kept_h = with_hints(kept, gone)
-    return NanSummary(events=kept_h, absorbed=tuple(gone), layers=mark_births(layers, kept_h), **fields)  # type: ignore[arg-type]
+    return NanSummary(events=kept_h, absorbed=tuple(gone), layers=mark_births(layers, kept_h),  # type: ignore[arg-type]
+                      **fields)

@@ -25,11 +25,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
+from torch_nbdebug.record import compat
 from torch_nbdebug.record.grads_stats import RAW, Sampler, activation_row, exact_rows, raw_to_stats, sampled_rows, usable
+from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 
 # Forward order learnt by a recording, reused by later snapshots of the same model (weak: never
-# keeps the model alive).
-_FORWARD_ORDER: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+# keeps the model alive, and runs no callback when it dies: see record/interrupts.py).
+_FORWARD_ORDER: "WeakIdMap[nn.Module, tuple[str, ...]]" = WeakIdMap()
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
 
@@ -40,6 +42,7 @@ def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = No
 
     A parameter shared by two modules (tied embeddings) belongs to the first module that lists it.
     """
+    model = compat.original_module(model)  # a torch.compile'd model: the user's names, not _orig_mod.*
     order = order if order is not None else _FORWARD_ORDER.get(model)
     modules = [(sub, m) for sub, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
     if order:
@@ -85,7 +88,7 @@ class GradRecorder:
 
     def __init__(self, model: nn.Module, name: str, *, sample: int = 4096, bins: int = 64,
                  activations: bool = False, exact_last: bool = True) -> None:
-        self.model, self.name, self.bins = model, name, bins
+        self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
         self._handles: list[Any] = []
         self._pending: list[dict[str, Any]] = []
@@ -94,7 +97,7 @@ class GradRecorder:
         self._order: list[str] = []
         self._order_set: set[str] = set()
         self.failure: Optional[str] = None
-        self._covers: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._covers: "WeakIdMap[Any, bool]" = WeakIdMap()
         self._opt_seen = self._bwd_queued = False
         self._steps = 0
         self._hist_every = 1
@@ -108,9 +111,10 @@ class GradRecorder:
         self._sampler = Sampler(self._params, self.sample)
         self._ids = {id(p) for p in self._params}
         try:
-            self._install()
+            with deferred_interrupts():  # a Stop while installing is raised once all is installed...
+                self._install()
         except BaseException:
-            self.remove()
+            self.remove()  # ...and then every handle is removed
             raise
         return self
 
@@ -132,9 +136,14 @@ class GradRecorder:
         self.trace = self.finish()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        try:
+            with deferred_interrupts():  # a Stop here is raised once every handle is removed
+                for handle in self._handles:
+                    handle.remove()
+        finally:
+            for handle in self._handles:  # again if a Stop came before the block took effect (idempotent)
+                handle.remove()
+            self._handles = []
 
     # -- hooks ----------------------------------------------------------------------------
     def _seen(self, sub: str) -> None:
@@ -159,7 +168,7 @@ class GradRecorder:
     def _accumulated(self, param: torch.Tensor) -> None:
         if not self._bwd_queued:
             self._bwd_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            compat.queue_backward_callback(self._backward_end)
 
     def _backward_end(self) -> None:
         self._bwd_queued = False
@@ -234,7 +243,7 @@ class GradRecorder:
             if self.activations:
                 nan = torch.full((len(ACT_FIELDS),), math.nan, device=dev)
                 row["act"] = torch.stack([self._act.get(li, nan).to(dev) for li in range(len(self._live))])
-        self._last = [(weakref.ref(self._params[i].grad), self._params[i].grad._version) for i in present]
+        self._last = [(weakref.ref(self._params[i].grad), compat.tensor_version(self._params[i].grad)) for i in present]
         self._pending.append(row)
         self._steps += 1
         if len(self._pending) >= _FLUSH:
@@ -320,13 +329,13 @@ class GradRecorder:
             return False
         grads = [p.grad for p in self._params if usable(p.grad)]
         return len(grads) == len(self._last) and all(
-            ref() is g and g._version == version for (ref, version), g in zip(self._last, grads))
+            ref() is g and compat.tensor_version(g) == version for (ref, version), g in zip(self._last, grads))
 
     def _release(self) -> None:
         """Drop every reference to the user's tensors (the trace holds numbers only)."""
         self._params, self._live, self._act, self._last, self._before = [], [], {}, None, None
         self._sampler = None  # type: ignore[assignment]
-        self._covers = weakref.WeakKeyDictionary()
+        self._covers = WeakIdMap()
 
 
 __all__ = ["GradRecorder", "layers_of", "exact_rows", "remember_order"]

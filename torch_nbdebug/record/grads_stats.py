@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.grads import FIELD, FIELDS, ParamInfo
+from torch_nbdebug.record import compat
 
 RAW = ("norm", "sum", "min", "max", "mean_abs", "zeros", "nan", "inf", "param_norm", "update_ratio")
 
@@ -24,11 +25,8 @@ RAW = ("norm", "sum", "min", "max", "mean_abs", "zeros", "nan", "inf", "param_no
 def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
     """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf."""
     if all(t.dtype == torch.float32 for t in tensors):
-        return list(torch._foreach_norm(tensors, ord))
-    try:
-        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
-    except TypeError:  # torch < 2.3 has no dtype argument
-        return [torch.linalg.vector_norm(t, ord, dtype=torch.float32) for t in tensors]
+        return compat.foreach_norm(tensors, ord)
+    return compat.foreach_norm(tensors, ord, dtype=torch.float32)
 
 
 def usable(grad: Optional[torch.Tensor]) -> bool:

@@ -15,10 +15,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from torch_nbdebug.data.graph import GradInfo, GraphData, GraphEdge, GraphNode, ModuleInfo, SavedInfo
+from torch_nbdebug.record import compat
 
 # AccumulateGrad and other nodes made outside a forward have no sequence number: UINT64_MAX.
-NO_SEQUENCE = 2**64 - 1
+NO_SEQUENCE = compat.NO_SEQUENCE
 DEFAULT_MAX_NODES = 250_000
+COMPILED_NODE = "CompiledFunctionBackward"  # the backward of a torch.compile'd region, as one node
 
 _SAVED_ATTRS: dict[type, list[str]] = {}  # per node class: its ``_saved_*`` attributes (``dir`` is slow)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
@@ -130,10 +132,13 @@ def build_graph(outputs: Sequence[tuple[str, torch.Tensor]], *, param_names: Map
                                dtype=_dtype(tensor.dtype), topo=len(order) + k, grad=grad))
         if tensor.grad_fn is not None and id(tensor.grad_fn) in ids:
             edges.append(GraphEdge(ids[id(tensor.grad_fn)], out_id))
-    notes = ()
+    notes: tuple[str, ...] = ()
     if truncated:
         notes = (f"the graph has more than {max_nodes:,} autograd nodes: only the first {max_nodes:,} were "
                  f"walked (pass max_nodes=... to walk more)",)
+    if any(node.op == COMPILED_NODE for node in nodes):
+        notes += (f"each {COMPILED_NODE} node is a whole torch.compile'd region (its ops are fused): graph the "
+                  "output of the original, uncompiled module to see them",)
     infos = tuple(ModuleInfo(path, type_name, path.rpartition(".")[0] or None)
                   for path, type_name in sorted((module_types or {}).items()))
     return GraphData(nodes=tuple(nodes), edges=tuple(edges), modules=infos, title=title, source=source,
@@ -145,7 +150,7 @@ def _node(node: Any, node_id: str, topo: int, param_names: Mapping[int, str], in
     name = node_name(node)
     outs = _outputs(node)
     shape, dtype = outs[0] if outs else (None, None)
-    seq = node._sequence_nr()
+    seq = compat.node_sequence_nr(node)
     seq_value = None if seq == NO_SEQUENCE else seq
     module = None
     found = modules.get(seq) if seq_value is not None else None
@@ -174,7 +179,7 @@ def _owner(param_label: Optional[str]) -> Optional[str]:
 def _outputs(node: Any) -> list[tuple[tuple[int, ...], str]]:
     outs = []
     try:
-        for meta in node._input_metadata:
+        for meta in compat.node_output_metadata(node):
             try:
                 outs.append((tuple(meta.shape), _dtype(meta.dtype)))
             except (RuntimeError, TypeError, ValueError):  # nested or symbolic shapes
@@ -198,7 +203,7 @@ def saved_info(node: Any) -> tuple[SavedInfo, ...]:
     """Shapes/dtypes of what ``node`` saved for backward (read and dropped at once, never kept)."""
     attrs = _SAVED_ATTRS.get(type(node))
     if attrs is None:
-        attrs = [a for a in dir(node) if a.startswith("_saved_")]
+        attrs = compat.node_saved_attributes(node)
         _SAVED_ATTRS[type(node)] = attrs
     out: list[SavedInfo] = []
     for attr in attrs:

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from torch_nbdebug.record import compat
 from torch_nbdebug.record.graph import NO_SEQUENCE, children_of, module_types, node_name
+from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker, module_roots
 
 # The last recording's module map, so ``%graph loss`` in a later cell still knows the modules.
@@ -40,9 +42,7 @@ def last_recording() -> tuple[dict[int, tuple[str, str]], dict[str, str]]:
 
 def next_sequence_nr() -> int:
     """The sequence number the next autograd node made on this thread will get."""
-    with torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True) * 1.0
-    return probe.grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
+    return compat.next_sequence_nr()
 
 
 class _Stamp(TorchFunctionMode):
@@ -51,6 +51,7 @@ class _Stamp(TorchFunctionMode):
         self.recorder = recorder
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         out = func(*args, **(kwargs or {}))
         self.recorder.claim(out, self.recorder.tracker.current)
         return out
@@ -66,30 +67,43 @@ class GraphRecorder:
         self.top_outputs: list[weakref.ref[torch.Tensor]] = []  # top-level module outputs, never kept alive
         self.tracker = ModuleTracker(namespace, on_enter=self._enter, on_exit=self._exit)
         self._mode = _Stamp(self)
+        self._mode_on = False
         self._start = NO_SEQUENCE
         self._thread = threading.get_ident()
 
     def __enter__(self) -> "GraphRecorder":
         self._start = next_sequence_nr()
         self.types = module_types(module_roots(self.namespace))
-        self.tracker.__enter__()
         try:
-            self._mode.__enter__()
+            with deferred_interrupts():  # a Stop between the steps is raised once both are done...
+                self.tracker.__enter__()
+                self._mode.__enter__()
+                self._mode_on = True
         except BaseException:
-            self.tracker.remove()
+            with deferred_interrupts():  # ...and then both are undone
+                self._remove()
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._mode.__exit__(*exc)
+            with deferred_interrupts():  # a Stop here is raised once the mode and the hooks are removed
+                self._remove(*exc)
         finally:
-            self.tracker.remove()
+            self._remove(*exc)  # if a Stop came before the block above took effect; else a no-op
             self.namespace = None  # a function's locals snapshot must not outlive the recording
             if self.modules:  # a recording that made no node keeps the previous one useful
                 with _LAST_LOCK:
                     _LAST["modules"] = dict(self.modules)
                     _LAST["types"] = dict(self.types)
+
+    def _remove(self, *exc: Any) -> None:
+        try:
+            if self._mode_on:
+                self._mode_on = False
+                self._mode.__exit__(*(exc or (None, None, None)))
+        finally:
+            self.tracker.remove()
 
     def outputs(self) -> list[torch.Tensor]:
         """The still-alive outputs of the top-level modules called while recording, with a grad_fn."""
@@ -114,7 +128,7 @@ class GraphRecorder:
         start = self._start
         while stack:
             node = stack.pop()
-            seq = node._sequence_nr()
+            seq = compat.node_sequence_nr(node)
             if seq < start or seq == NO_SEQUENCE or seq in seen:
                 continue
             seen[seq] = (module or "", node_name(node))

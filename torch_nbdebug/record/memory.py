@@ -3,7 +3,10 @@
 A :class:`TorchDispatchMode` sees the outputs of every op; each storage not seen before is an
 allocation (bytes counted once per storage, however many views share it). A weak reference with a
 callback on the storage's Python object tells us when it is freed: PyTorch keeps that object alive
-exactly as long as the storage, so the callback fires at the real free and keeps nothing alive.
+exactly as long as the storage, so the callback fires at the real free and keeps nothing alive. The
+callback only queues the reference (no Python code of ours may run where Python swallows exceptions,
+or Jupyter's Stop is lost: see record/interrupts.py); the free is recorded when the queue is drained,
+before the next op, module, optimizer step or the end of recording, so events keep their order.
 
 Categories come from what PyTorch tells us along the way: the ``AccumulateGrad`` node marks
 gradients, optimizer step hooks mark parameters, gradients and optimizer state; anything else
@@ -26,10 +29,11 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_nbdebug.data.memory import CATEGORIES, PHASES, Allocation, MemoryRecording
 from torch_nbdebug.data.source import SourceLine
+from torch_nbdebug.record.compat import TorchDispatchMode, current_autograd_node
+from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap, deferred_interrupts
 from torch_nbdebug.record.memory_holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
@@ -74,6 +78,8 @@ class _AllocationMode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
+        self.recorder._frees.drain()  # storages freed since the last op come before this op's
         out = func(*args, **(kwargs or {}))
         self.recorder._on_outputs(func, out, (args, kwargs))
         return out
@@ -92,9 +98,7 @@ class MemoryRecorder:
         self._records: list[_Record] = []
         self._live: dict[int, int] = {}  # storage key -> allocation id
         self._refs: dict[int, _StorageRef] = {}
-        self._events: list[int] = []
-        self._times: list[int] = []
-        self._phases: list[int] = []
+        self._log: list[int] = []  # (event code, time ns, phase) flattened: see _event
         self._iterations: list[int] = []
         self._in_optimizer = 0
         self._forward_pending = False  # graph-building forward allocations not yet classified
@@ -103,8 +107,10 @@ class MemoryRecorder:
         self._exits: list[Any] = []
         self._t0 = 0
         self._tracker = ModuleTracker(namespace, on_enter=self._on_module)
-        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._frees: CallbackQueue[_StorageRef] = CallbackQueue(self._on_free)
+        # Remembered weakly, without the Python callbacks of a WeakSet (see record/interrupts.py).
+        self._modules: WeakIdMap[torch.nn.Module, None] = WeakIdMap()
+        self._optimizers: WeakIdMap[torch.optim.Optimizer, None] = WeakIdMap()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "MemoryRecorder":
@@ -118,9 +124,11 @@ class MemoryRecorder:
         self._t0 = time.perf_counter_ns()
         self._adopt_existing()
         try:
-            self._install()
+            with deferred_interrupts():  # a Stop now is raised once everything is installed...
+                self._install()
         except BaseException:
-            self._uninstall()
+            with deferred_interrupts():  # ...and then all of it is removed again
+                self._uninstall()
             raise
 
     def _install(self) -> None:
@@ -148,15 +156,18 @@ class MemoryRecorder:
 
     def stop(self) -> MemoryRecording:
         try:
-            self._uninstall()
+            with deferred_interrupts():  # a Stop here is raised after every hook is removed
+                self._uninstall()
         finally:
             try:
+                self._uninstall()  # if a Stop came before the block above took effect; else a no-op
                 self.recording = self._finish()
             finally:
                 self._refs.clear()  # no callbacks after this point; nothing of the user's is kept
+                self._frees.clear()
                 self._live.clear()
-                self._modules = weakref.WeakSet()
-                self._optimizers = weakref.WeakSet()
+                self._modules.clear()
+                self._optimizers.clear()
         return self.recording
 
     # -- allocations ---------------------------------------------------------------------------
@@ -171,8 +182,10 @@ class MemoryRecorder:
         if self.scan_gc:
             tensors, modules, optimizers = scan_objects()
             # Remembered weakly so the end of recording needs no second pass over every object.
-            self._modules.update(modules)
-            self._optimizers.update(optimizers)
+            for module in modules:
+                self._modules[module] = None
+            for optimizer in optimizers:
+                self._optimizers[optimizer] = None
             del modules, optimizers
         else:
             tensors = []
@@ -186,7 +199,10 @@ class MemoryRecorder:
         del tensors
 
     def _on_outputs(self, func: Any, out: Any, args: Any) -> None:
-        node = torch._C._current_autograd_node()
+        self._frees.drain()  # storages the op itself freed (an out= or resize_ op) come first
+        node = current_autograd_node()
+        if node is not None and self._forward_pending:
+            self._promote_saved()  # the backward has started: what forward made and is alive was saved
         graph_inputs: Optional[bool] = None  # computed once, only when a new storage needs a phase
         input_keys: Optional[set[Optional[int]]] = None
         for tensor in tensors_in(out):
@@ -221,34 +237,38 @@ class MemoryRecorder:
                start: Optional[int], module: Optional[str], line: Optional[SourceLine]) -> int:
         storage = tensor.untyped_storage()
         alloc_id = len(self._records)
-        ref = _StorageRef(storage, self._on_free)
-        ref.alloc_id = alloc_id
-        step = start if start is not None else self._event(alloc_id, phase)
         dtype = _DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
         record = _Record(storage.nbytes(), tuple(tensor.shape), dtype,
-                         category, phase, module, line, op, str(tensor.device), step, key)
+                         category, phase, module, line, op, str(tensor.device), -1 if start is None else start, key)
         record.address = storage.data_ptr()
+        # One change at a time, in an order that a Stop landing between any two leaves consistent:
+        # no event names a missing record, no free callback a record without its allocation.
         self._records.append(record)
+        if start is None:
+            record.start = self._event(alloc_id, phase)
+        ref = _StorageRef(storage, self._frees.callback)
+        ref.alloc_id = alloc_id
         self._refs[key] = ref
         self._live[key] = alloc_id
         return alloc_id
 
     def _on_free(self, ref: _StorageRef) -> None:
+        """Record a queued free. It happened after the last event and before the op (or hook) draining
+        the queue: it takes the last event's phase, like the frees of the CUDA allocator's history."""
         record = self._records[ref.alloc_id]
         if self._live.get(record.key) != ref.alloc_id:
             return
+        record.end = self._event(-(ref.alloc_id + 1), self._last_phase)
         del self._live[record.key]
         self._refs.pop(record.key, None)
-        record.end = self._event(-(ref.alloc_id + 1), self._phase(torch._C._current_autograd_node()))
 
     def _event(self, code: int, phase: int) -> int:
-        self._events.append(code)
-        self._times.append(time.perf_counter_ns() - self._t0)
-        self._phases.append(phase)
+        # One extend of a flat list: a Stop cannot leave an event without its time or phase.
+        self._log.extend((code, time.perf_counter_ns() - self._t0, phase))
         self._last_phase = phase
-        return len(self._events) - 1
+        return len(self._log) // 3 - 1
 
     def _phase(self, node: Any, graph_inputs: bool = False) -> int:
         """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
@@ -295,22 +315,25 @@ class MemoryRecorder:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _on_module(self, path: str, module: torch.nn.Module) -> None:
+        self._frees.drain()
         if len(self._tracker.stack) == 1:
-            self._modules.add(module)
+            self._modules[module] = None
             if self._last_phase != FORWARD or not self._iterations:
-                self._iterations.append(len(self._events))
+                self._iterations.append(len(self._log) // 3)
         for param in module._parameters.values():
             self._classify_tensor(param, PARAM)
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._frees.drain()
         self._in_optimizer += 1
-        self._optimizers.add(optimizer)
+        self._optimizers[optimizer] = None
         for group in optimizer.param_groups:
             for param in group["params"]:
                 self._classify_tensor(param, PARAM)
                 self._classify_tensor(param.grad, GRAD)
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._frees.drain()
         self._in_optimizer = max(0, self._in_optimizer - 1)
         for state in list(optimizer.state.values()):
             for value in state.values():
@@ -320,6 +343,7 @@ class MemoryRecorder:
     # -- result --------------------------------------------------------------------------------
     def _finish(self) -> MemoryRecording:
         """Classify what survived by the model/optimizer state, name holders, freeze the data."""
+        self._frees.drain()
         duration = (time.perf_counter_ns() - self._t0) / 1e9
         if self._forward_pending:
             self._promote_saved()
@@ -330,11 +354,12 @@ class MemoryRecorder:
             if alloc_id is not None:
                 self._classify(alloc_id, ACT)  # saved for backward by a held graph, wherever it was made
         allocations = tuple(self._freeze(i, r, kinds, holders) for i, r in enumerate(self._records))
+        log = np.asarray(self._log, dtype=np.int64).reshape(-1, 3)
         return MemoryRecording(
             device=self.device_type, allocations=allocations,
-            events=np.asarray(self._events, dtype=np.int64),
-            event_time_ns=np.asarray(self._times, dtype=np.int64),
-            event_phase=np.asarray(self._phases, dtype=np.int8),
+            events=np.ascontiguousarray(log[:, 0]),
+            event_time_ns=np.ascontiguousarray(log[:, 1]),
+            event_phase=log[:, 2].astype(np.int8),
             iteration_starts=tuple(self._iterations), duration_s=duration)
 
     def _adopt_unseen(self, key: int, tensor: torch.Tensor) -> None:
@@ -345,8 +370,8 @@ class MemoryRecorder:
 
     def _state_owners(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
         """Modules and optimizers alive at the start, run or stepped during recording, or in the namespace."""
-        modules = [sub for m in list(self._modules) for sub in m.modules()]
-        optimizers = list(self._optimizers)
+        modules = [sub for m in list(self._modules.keys()) for sub in m.modules()]
+        optimizers = list(self._optimizers.keys())
         for value in list((self.namespace or {}).values()):
             if isinstance(value, torch.nn.Module):
                 modules.extend(value.modules())

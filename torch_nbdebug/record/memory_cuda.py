@@ -17,6 +17,7 @@ import torch
 
 from torch_nbdebug.data.memory import PHASES, Allocation, MemoryRecording
 from torch_nbdebug.data.source import SourceLine
+from torch_nbdebug.record import compat
 from torch_nbdebug.record.source import is_user_file, line_of
 
 _PHASE = {name: i for i, name in enumerate(PHASES)}
@@ -44,23 +45,22 @@ class CudaHistory:
         if self.was_enabled:
             self.start_us = time.time() * 1e6
         else:
-            torch.cuda.memory._record_memory_history("all", context="all", stacks="python",
-                                                    max_entries=self.max_entries, clear_history=True)
+            compat.start_cuda_memory_history(self.max_entries)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             torch.cuda.synchronize()
-            self.snapshot = torch.cuda.memory._snapshot()
+            self.snapshot = compat.cuda_memory_snapshot()
         finally:
             if not self.was_enabled:
                 # Our events are in the snapshot already; clearing them leaves the allocator as we found it.
-                torch.cuda.memory._record_memory_history(enabled=None, clear_history=True)
+                compat.stop_cuda_memory_history()
 
 
 def history_enabled() -> bool:
     """Whether the user (or anyone) has allocator history recording on."""
-    return bool(torch._C._cuda_isHistoryEnabled()) if torch.cuda.is_available() else False
+    return compat.cuda_history_enabled()
 
 
 def recording_from_snapshot(snapshot: dict[str, Any], device: int = 0, tagged: Optional[MemoryRecording] = None,

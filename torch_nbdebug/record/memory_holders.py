@@ -10,20 +10,27 @@ from __future__ import annotations
 import gc
 import types
 from collections import deque
+from itertools import islice
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
 from torch_nbdebug.data.memory import SAVED_BY_GRAPH
+from torch_nbdebug.record.modules import module_roots, parameter_names, user_named_modules, user_named_parameters
+from torch_nbdebug.record.source import UserNamespace, caller_namespace
+from torch_nbdebug.record.compat import is_fake, node_saved_attributes
+from torch_nbdebug.record.memory_ops import measurable
 from torch_nbdebug.record.tensors import storage_key
 
 MAX_DEPTH = 4
 MAX_VISITS = 200_000
+MAX_CHILDREN = 100_000  # entries read per container: bounds a list of millions of numbers
 # IPython's own bookkeeping names; ``Out`` is walked last because its entries are the user's outputs.
 _SKIP_NAMES = {"In", "exit", "quit", "get_ipython"}
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), types.ModuleType, type, types.FunctionType,
           types.BuiltinFunctionType, types.MethodType)
+_ATOM_TYPES = frozenset(_ATOMS)  # exact types: one set lookup skips most entries of a big container
 
 
 MAX_GRAPH_NODES = 20_000
@@ -45,7 +52,7 @@ class Holders:
         self.graphs[key] = tensor.grad_fn is not None
         if tensor.grad_fn is not None:
             self._graph_roots.append((name, tensor.grad_fn))
-        if self._on_new is not None:
+        if self._on_new is not None and measurable(tensor):
             self._on_new(key, tensor)
 
     def get(self, key: int) -> Optional[str]:
@@ -83,12 +90,10 @@ def _walk_graphs(roots: list[tuple[str, Any]], max_nodes: int) -> Any:
 
 def _saved_tensors(node: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    for attr in dir(node):
-        if not attr.startswith("_saved_"):
-            continue
+    for attr in node_saved_attributes(node):
         try:
             value = getattr(node, attr)
-        except RuntimeError:  # freed by a backward, or saved for a second order only
+        except Exception:  # noqa: BLE001 - freed by a backward, saved for a second order only, or symbolic
             continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         found.extend(v for v in values if isinstance(v, torch.Tensor))
@@ -99,79 +104,115 @@ def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX
                  on_new: Optional[Callable[[int, torch.Tensor], None]] = None) -> Holders:
     """Name the holder of every tensor reachable from ``namespace`` (public names, then ``Out``).
 
-    ``on_new(key, tensor)`` is called once per storage found (recorders adopt tensors they never saw).
+    ``on_new(key, tensor)`` is called once per storage found whose bytes can be counted (recorders
+    adopt tensors they never saw). An object that raises when we look inside it is skipped, and
+    named to the namespace when it is a :class:`UserNamespace` (the tools say what they skipped).
+    Every container is read up to ``MAX_CHILDREN`` entries, so a list of millions of numbers costs
+    no more than a short one.
     """
     holders = Holders(on_new)
-    if not namespace:
+    if namespace is None:
         return holders
-    items = [(k, v) for k, v in list(namespace.items()) if not k.startswith("_") and k not in _SKIP_NAMES]
+    view = caller_namespace(namespace)
+    items = [(k, v) for k, v in view.items() if not k.startswith("_") and k not in _SKIP_NAMES]
     items.sort(key=lambda kv: kv[0] == "Out")
     param_names = _parameter_names(items)
     queue: deque[tuple[str, Any, int]] = deque((k, v, 0) for k, v in items)
-    seen: set[int] = {id(namespace)}  # ``ns = globals()`` must not name everything ``ns[...]``
+    seen: set[int] = {id(namespace)} | view.mapping_ids()  # ``ns = globals()`` must not name all ``ns[...]``
     while queue and len(seen) < MAX_VISITS:
         name, obj, depth = queue.popleft()
-        if id(obj) in seen or isinstance(obj, _ATOMS):
+        cls = type(obj)
+        if id(obj) in seen or cls in _ATOM_TYPES or issubclass(cls, _ATOMS):
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            _add_tensor(holders, name, obj)
+        if issubclass(cls, torch.Tensor):
+            _add_tensor(holders, name, obj, view)
             continue
         if depth >= max_depth:
             continue
-        for child_name, child in _children(name, obj, param_names):
-            if isinstance(child, torch.Tensor):
-                _add_tensor(holders, child_name, child)
-            else:
+        try:
+            children = list(islice(_children(name, obj, param_names), MAX_CHILDREN))
+        except Exception:  # noqa: BLE001 - the user's object raised when we looked inside it
+            view.skip(name)
+            continue
+        for child_name, child in children:
+            if issubclass(type(child), torch.Tensor):
+                _add_tensor(holders, child_name, child, view)
+            elif type(child) not in _ATOM_TYPES:
                 queue.append((child_name, child, depth + 1))
     return holders
 
 
-def _add_tensor(holders: Holders, name: str, tensor: torch.Tensor) -> None:
-    holders.add(storage_key(tensor), name, tensor)
-    grad = tensor.grad if tensor.is_leaf else None  # .grad of a non-leaf warns and is always None
-    if grad is not None:
-        holders.add(storage_key(grad), f"{name}.grad", grad)
+def _add_tensor(holders: Holders, name: str, tensor: torch.Tensor, view: UserNamespace) -> None:
+    try:
+        holders.add(storage_key(tensor), name, tensor)
+        grad = tensor.grad if tensor.is_leaf else None  # .grad of a non-leaf warns and is always None
+        if grad is not None:
+            holders.add(storage_key(grad), f"{name}.grad", grad)
+    except Exception:  # noqa: BLE001 - a tensor subclass whose attributes raise
+        view.skip(name)
 
 
 def _parameter_names(items: list[tuple[str, Any]]) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for root, value in items:
-        if isinstance(value, nn.Module):
-            for pname, param in value.named_parameters(remove_duplicate=False):
-                names.setdefault(id(param), f"{root}.{pname}")
-    return names
+    return parameter_names(module_roots(dict(items)))
 
 
 def _children(name: str, obj: Any, param_names: dict[int, str]) -> Iterator[tuple[str, Any]]:
-    """The named references inside one object, as the user would spell them."""
-    if isinstance(obj, nn.Module):
-        yield from ((f"{name}.{k}", v) for k, v in obj.named_parameters(remove_duplicate=False))
-        yield from ((f"{name}.{k}", v) for k, v in obj.named_buffers(remove_duplicate=False))
-        for sub_name, sub in obj.named_modules(remove_duplicate=False):
-            prefix = f"{name}.{sub_name}" if sub_name else name
-            yield from ((f"{prefix}.{k}", v) for k, v in vars(sub).items()
-                        if not k.startswith("_") and k != "training")
-    elif isinstance(obj, torch.optim.Optimizer):
+    """The named references inside one object, as the user would spell them.
+
+    ``type()`` decides the kind (``isinstance`` would ask a proxy's ``__class__``)."""
+    cls = type(obj)
+    if issubclass(cls, nn.Module):
+        yield from _module_children(name, obj)
+    elif issubclass(cls, torch.optim.Optimizer):
         for index, (param, state) in enumerate(list(obj.state.items())):
             pname = param_names.get(id(param), f"param{index}")
             for key, value in state.items():
                 yield f"{name}.state[{pname}][{key!r}]", value
-    elif isinstance(obj, (list, tuple)):
-        yield from ((f"{name}[{i}]", v) for i, v in enumerate(obj))
-    elif isinstance(obj, dict):
-        for key, value in list(obj.items()):
-            label = repr(key) if isinstance(key, (str, int, float, bool)) else "..."
-            yield f"{name}[{label}]", value
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        try:
-            attrs = vars(obj)
-        except TypeError:
-            return
-        yield from ((f"{name}.{k}", v) for k, v in list(attrs.items()) if not k.startswith("__"))
+    elif issubclass(cls, (list, tuple)):
+        for i, value in enumerate(islice(obj, MAX_CHILDREN)):
+            if type(value) not in _ATOM_TYPES:
+                yield f"{name}[{i}]", value
+    elif issubclass(cls, dict):
+        for key, value in islice(dict.items(obj), MAX_CHILDREN):
+            if type(value) not in _ATOM_TYPES:
+                yield f"{name}[{_key_label(key)}]", value
+    elif not issubclass(cls, type):
+        attrs = _instance_dict(obj, cls)
+        if attrs is not None:
+            yield from ((f"{name}.{k}", v) for k, v in islice(attrs.items(), MAX_CHILDREN)
+                        if type(k) is str and not k.startswith("__") and type(v) not in _ATOM_TYPES)
 
 
-def scan_objects(want_tensors: bool = True) -> tuple[list[torch.Tensor], list[nn.Module], list[torch.optim.Optimizer]]:
+def _module_children(name: str, module: nn.Module) -> Iterator[tuple[str, Any]]:
+    yield from ((f"{name}.{k}", v) for k, v in user_named_parameters(module))
+    for sub_name, sub in user_named_modules(module):
+        prefix = f"{name}.{sub_name}" if sub_name else name
+        yield from ((f"{prefix}.{k}", v) for k, v in sub._buffers.items() if v is not None)
+        yield from ((f"{prefix}.{k}", v) for k, v in vars(sub).items()
+                    if type(k) is str and not k.startswith("_") and k != "training")
+
+
+def _instance_dict(obj: Any, cls: type) -> Optional[dict[str, Any]]:
+    """``vars(obj)`` read through the type's own slot, so a proxy's ``__dict__`` property (which may
+    build the object it stands for) is never run; None when the object has no plain ``__dict__``."""
+    for klass in cls.__mro__:
+        slot = vars(klass).get("__dict__")
+        if slot is not None:
+            if type(slot) is not types.GetSetDescriptorType:
+                return None
+            attrs = slot.__get__(obj, cls)
+            return attrs if type(attrs) is dict else None
+    return None
+
+
+def _key_label(key: Any) -> str:
+    """``repr`` of plain keys only: a key of the user's type may raise from its ``__repr__``."""
+    return repr(key) if type(key) in (str, int, float, bool) else "..."
+
+
+def scan_objects(want_tensors: bool = True, *, nested: bool = False
+                 ) -> tuple[list[torch.Tensor], list[nn.Module], list[torch.optim.Optimizer]]:
     """Every live tensor, module and optimizer the garbage collector tracks, in one pass.
 
     Models created in a cell need not be in the namespace, so the collector is the only complete
@@ -179,27 +220,45 @@ def scan_objects(want_tensors: bool = True) -> tuple[list[torch.Tensor], list[nn
     thousand objects at tens of milliseconds. ``type()`` rather than isinstance also avoids objects
     whose ``__class__`` lookup warns (deprecated torch.distributed aliases). The caller must drop
     the lists promptly.
+
+    Only tensors a recorder can measure are listed: real bytes in a storage and a shape of ints.
+    FakeTensors, jagged nested tensors and subclasses whose attributes raise are left out; strided
+    nested tensors (real memory, but no sizes) only with ``nested=True``.
     """
     tensors: list[torch.Tensor] = []
     modules: list[nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
-    sinks = (None, tensors if want_tensors else None, modules, optimizers)
+    sinks = (None, None, modules, optimizers)
     kinds: dict[type, int] = {}
     for obj in gc.get_objects():
         cls = type(obj)
         kind = kinds.get(cls)
         if kind is None:
-            kind = kinds[cls] = _kind(cls)
-        if kind:
-            sink = sinks[kind]
-            if sink is not None:
-                sink.append(obj)
+            kind = kinds[cls] = _kind(cls, obj)
+        if kind == _PLAIN_TENSOR:
+            if want_tensors and (nested or not obj.is_nested):
+                tensors.append(obj)
+        elif kind == _TENSOR_SUBCLASS:
+            if want_tensors and measurable(obj):
+                tensors.append(obj)
+        elif kind:
+            sinks[kind].append(obj)  # type: ignore[union-attr]
     return tensors, modules, optimizers
 
 
-def _kind(cls: type) -> int:
+_PLAIN_TENSOR, _TENSOR_SUBCLASS = 1, 4
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def _kind(cls: type, obj: Any) -> int:
+    """1 tensor, 2 module, 3 optimizer, 4 a tensor subclass to check one by one, else 0.
+
+    FakeTensors (``torch.compile``'s shape-only tensors, possibly with symbolic sizes) hold no
+    memory and are not tensors here."""
     if issubclass(cls, torch.Tensor):
-        return 1
+        if is_fake(obj):
+            return 0
+        return 1 if cls in _PLAIN_TENSORS else _TENSOR_SUBCLASS
     if issubclass(cls, nn.Module):
         return 2
     return 3 if issubclass(cls, torch.optim.Optimizer) else 0
@@ -209,18 +268,28 @@ def persistent_keys(modules: list[nn.Module], optimizers: list[torch.optim.Optim
     """Storage key -> 'parameters' / 'gradients' / 'optimizer_state' for the training state."""
     kinds: dict[int, str] = {}
     for opt in optimizers:
-        for state in list(opt.state.values()):
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    _mark(kinds, storage_key(value), "optimizer_state")
-        for group in opt.param_groups:
-            for param in group["params"]:
-                _mark_param(kinds, param)
+        try:
+            _mark_optimizer(kinds, opt)
+        except Exception:  # noqa: BLE001 - a user's optimizer subclass we cannot read
+            continue
     for module in modules:
-        for param in module._parameters.values():
-            if param is not None:
-                _mark_param(kinds, param)
+        try:
+            for param in list(vars(module).get("_parameters", {}).values()):
+                if issubclass(type(param), torch.Tensor):
+                    _mark_param(kinds, param)
+        except Exception:  # noqa: BLE001 - a user's module subclass we cannot read
+            continue
     return kinds
+
+
+def _mark_optimizer(kinds: dict[int, str], opt: torch.optim.Optimizer) -> None:
+    for state in list(opt.state.values()):
+        for value in list(state.values()):
+            if issubclass(type(value), torch.Tensor):
+                _mark(kinds, storage_key(value), "optimizer_state")
+    for group in opt.param_groups:
+        for param in group["params"]:
+            _mark_param(kinds, param)
 
 
 def _mark_param(kinds: dict[int, str], param: torch.Tensor) -> None:

@@ -43,3 +43,37 @@ def _collect(value: Any, depth: int, found: list[torch.Tensor]) -> None:
             found.append(item)
         elif depth > 1 and isinstance(item, (tuple, list, dict)):
             _collect(item, depth - 1, found)
+
+
+def plain_shape(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The shape as plain ints, or None: a nested tensor has no sizes (or a ragged nested int) and a
+    FakeTensor left by ``torch.compile`` has symbolic ones that must not be evaluated."""
+    try:
+        shape = tuple(tensor.shape)
+    except Exception:  # noqa: BLE001 - NestedTensorImpl "doesn't support sizes"
+        return None
+    return shape if all(type(s) is int for s in shape) else None
+
+
+def storage_bytes(tensor: torch.Tensor, device_type: str) -> Optional[int]:
+    """Bytes of the tensor's storage when it holds real memory on ``device_type``, else None.
+
+    A FakeTensor reports a CPU or CUDA device but its storage is on ``meta`` (and may have a symbolic
+    size); sparse, functional and wrapper tensors have no storage of their own."""
+    try:
+        storage = tensor.untyped_storage()
+        if storage.device.type != device_type or tensor.device.type != device_type:
+            return None
+        nbytes = storage.nbytes()
+    except Exception:  # noqa: BLE001 - no plain storage behind this tensor
+        return None
+    return nbytes if type(nbytes) is int else None
+
+
+def measurable(tensor: torch.Tensor, device_type: Optional[str] = None) -> bool:
+    """Whether a recorder can count this tensor: real bytes in a storage, and a shape of ints."""
+    try:
+        device = device_type or tensor.device.type
+    except Exception:  # noqa: BLE001
+        return False
+    return storage_bytes(tensor, device) is not None and plain_shape(tensor) is not None

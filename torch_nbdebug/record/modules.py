@@ -8,30 +8,69 @@ handle-based hooks (``register_module_forward_pre_hook``/``register_module_forwa
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from torch_nbdebug.record import compat
+from torch_nbdebug.record.source import UserNamespace
+
 
 def module_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, nn.Module]]:
-    """The ``nn.Module`` values of a namespace, largest first, skipping private names like ``_``."""
-    if not namespace:
+    """The ``nn.Module`` values of a namespace, largest first, skipping private names like ``_``.
+
+    ``type()`` decides what is a module (``isinstance`` would run a proxy's ``__class__``). A
+    ``torch.compile`` wrapper counts as the model it runs, and the plain name wins a tie: with
+    ``cm = torch.compile(m)`` the layers are ``m.fc2``; with only ``cm`` they are ``cm.fc2``.
+    """
+    if namespace is None:
         return []
-    roots = [(k, v) for k, v in list(namespace.items()) if isinstance(v, nn.Module) and not k.startswith("_")]
-    roots.sort(key=lambda kv: (-sum(1 for _ in kv[1].modules()), kv[0]))
-    return roots
+    found: list[tuple[int, bool, str, nn.Module]] = []
+    for key, value in list(namespace.items()):
+        if type(key) is not str or key.startswith("_") or not issubclass(type(value), nn.Module):
+            continue
+        inner = compiled_original(value)
+        try:
+            size = sum(1 for _ in (inner if inner is not None else value).modules())
+        except Exception:  # noqa: BLE001 - a module we cannot walk is left out, and said so
+            _skip(namespace, key)
+            continue
+        found.append((size, inner is not None, key, value))
+    found.sort(key=lambda r: (-r[0], r[1], r[2]))
+    return [(key, value) for _, _, key, value in found]
+
+
+def compiled_original(module: Any) -> Optional[nn.Module]:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, else None."""
+    inner = compat.original_module(module)  # the one rule for unwrapping lives in compat
+    return inner if inner is not module else None
+
+
+def user_named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules`` as the user spells the paths: a compile wrapper and the model it runs
+    both have the root's name, and ``_orig_mod`` never appears."""
+    inner = compiled_original(root)
+    if inner is None:
+        yield from root.named_modules(remove_duplicate=False)
+        return
+    yield "", root
+    yield from user_named_modules(inner)
+
+
+def user_named_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``named_parameters`` without the ``_orig_mod.`` of a ``torch.compile`` wrapper."""
+    inner = compiled_original(root)
+    yield from (inner if inner is not None else root).named_parameters(remove_duplicate=False)
 
 
 def qualified_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
     """Map ``id(module)`` to its shortest user-facing path; the largest root claims shared modules."""
     names: dict[int, str] = {}
     for root_name, root in roots:
-        for sub_name, module in root.named_modules(remove_duplicate=False):
-            path = f"{root_name}.{sub_name}" if sub_name else root_name
-            if id(module) not in names:
-                names[id(module)] = path
+        for sub_name, module in _safely(user_named_modules, root):
+            names.setdefault(id(module), f"{root_name}.{sub_name}" if sub_name else root_name)
     return names
 
 
@@ -39,9 +78,24 @@ def parameter_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
     """Map ``id(parameter)`` to ``model.fc.weight``; shared parameters keep their first name."""
     names: dict[int, str] = {}
     for root_name, root in roots:
-        for name, param in root.named_parameters(remove_duplicate=False):
+        for name, param in _safely(user_named_parameters, root):
             names.setdefault(id(param), f"{root_name}.{name}")
     return names
+
+
+def _safely(walk: Callable[[nn.Module], Iterator[tuple[str, Any]]], root: nn.Module) -> list[tuple[str, Any]]:
+    """The whole walk, or what it yielded before a module of the user's raised."""
+    out: list[tuple[str, Any]] = []
+    try:
+        out.extend(walk(root))
+    except Exception:  # noqa: BLE001 - a broken user module must not break the tool
+        pass
+    return out
+
+
+def _skip(namespace: Mapping[str, Any], name: str) -> None:
+    if isinstance(namespace, UserNamespace):  # it tells the user what could not be read
+        namespace.skip(name)
 
 
 class ModuleNamer:
@@ -82,7 +136,7 @@ class ModuleNamer:
 
     def _add_roots(self, roots: Iterable[tuple[str, nn.Module]]) -> None:
         for root_name, root in roots:
-            for sub_name, module in root.named_modules(remove_duplicate=False):
+            for sub_name, module in _safely(user_named_modules, root):
                 if self._lookup(module) is None:  # the largest root claims shared modules
                     self._remember(module, f"{root_name}.{sub_name}" if sub_name else root_name)
 
@@ -158,6 +212,6 @@ def global_hook_counts() -> dict[str, int]:
               if name.startswith("_global_") and name.endswith("hooks") and isinstance(getattr(m, name), dict)}
     counts.update({name: len(getattr(o, name)) for name in dir(o)
                    if name.startswith("_global_optimizer") and isinstance(getattr(o, name), dict)})
-    counts["torch_dispatch_modes"] = torch._C._len_torch_dispatch_stack()
-    counts["torch_function_modes"] = torch._C._len_torch_function_stack()
+    counts["torch_dispatch_modes"] = compat.dispatch_stack_len()
+    counts["torch_function_modes"] = compat.function_stack_len()
     return counts

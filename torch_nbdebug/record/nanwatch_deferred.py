@@ -1,117 +1,261 @@
-"""Deferred checks for CUDA: flags stay on the device and are read together at module boundaries.
+"""The deferred check path (CUDA by default): flags stay on the device and are read together later.
 
-Each checked op (or, in module mode, each module output and output gradient) queues one small
-device tensor of flags; :func:`flush` reads the whole queue in one transfer per device and applies
-the same birth / input / propagation rules as the synchronous CPU path, in the order things ran.
+Each checked op queues one small device tensor of flags (its outputs', then its inputs' sums) with
+what is known without reading it: the :class:`Site`, storage keys, which inputs came from outside.
+:meth:`DeferredChecks.flush` reads the whole queue in one transfer per device and replays it in
+order through the same rules as the immediate path (:func:`judge`, the event log's where-trap and
+held-backward bookkeeping), so both paths report the same births. ``where``/``masked_fill`` ops and
+each backward node's finished gradients are queued too, as the rules need them. With
+``raise_on_birth`` every check is read at once: raising at the birth line needs that.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import dataclasses
+import math
+import sys
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 
+from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import Place, Shape, here, make_event
-from torch_nbdebug.record.nanwatch_mode import Pending, device_flags, read_all
-
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch import NanRecorder
-
-
-def is_mask(external_sums: list[float], out_nan: bool) -> bool:
-    from torch_nbdebug.record.nanwatch import is_mask as check
-
-    return check(external_sums, out_nan)
+from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb,
+                                                  judge_gradient, judge_module)
+from torch_nbdebug.record.nanwatch_context import WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
+from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
+from torch_nbdebug.record.tensors import storage_key
 
 _MAX_QUEUE = 4096  # read earlier than the next boundary when this many checks wait
+Entry = Literal["op", "absorb", "node", "module", "grad"]
 
 
-def queue_op(rec: "NanRecorder", func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor],
-             phase: str, node: Any, pre: Optional[torch.Tensor] = None) -> None:
-    """Queue one op's check (forward or backward); nothing is read from the device here.
+class Pending(NamedTuple):
+    """One deferred check: device sums (see :func:`_flags`) of its outputs then its inputs, plus context."""
 
-    ``pre`` is an in-place op's input sum from before the op: it stands in for the overwritten input."""
-    if ops.has_nonfinite_scalar(args, kwargs):
-        return
-    inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
-    external = tuple(not rec.produced.contains(t) for t in inputs)
-    if pre is not None and inputs and inputs[0] is args[0]:
-        inputs = [pre.reshape(1)] + inputs[1:]
-    if phase == "backward":
-        seq = node._sequence_nr()
-        fwd = rec.forward_place(seq)
-        place = fwd if fwd is not None else here(None, None)
-        extra = dict(node=node.name(), seq=seq, fwd_op=ops.op_name(fwd.op) if fwd and fwd.op is not None else None)
-    else:
-        place, extra = here(rec.module_path(), func), dict(seq=rec.op_seq)
-    _push(rec, outs, inputs, external, phase, ops.op_name(func), place, extra)
+    entry: Entry
+    flags: Optional[torch.Tensor]
+    n_out: int
+    outputs: tuple[Shape, ...]
+    inputs: tuple[Shape, ...]
+    keys: tuple[Optional[int], ...]  # inputs' storage keys (op, absorb); outputs' keys follow for ops
+    external: tuple[bool, ...]
+    site: Optional[Site]
+    iteration: int
+    extra: Any = None  # ops: (node key, producer of input 0, in place); module: the module; absorb: written
 
 
-def queue_module(rec: "NanRecorder", path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
-    """Module mode: queue the output of a module (inputs count as external: no op-level tracking)."""
-    inputs = ops.float_inputs(args, {})
-    place = here(path, None)
-    _push(rec, [t], inputs, tuple(True for _ in inputs), "forward", f"{type(module).__name__} (module output)",
-          place, dict(module_mode=True, path=path))
+class DeferredChecks:
+    def __init__(self, ctx: WatchContext) -> None:
+        self.ctx = ctx
+        self.pending: list[Pending] = []
+        self._hooked: Optional[int] = None  # id of the last backward node given a post hook
+        # Storages the hooked node's queued ops wrote: its finished gradients are usually among them,
+        # so their flags are reused rather than summed again (a weight gradient is a full pass).
+        self._node_outs: set[int] = set()
+        self._bad_keys: dict[int, bool] = {}  # replay: the latest flag of each storage the node wrote
+
+    # -- queueing (no device read) -----------------------------------------------------------------
+    def queue_op(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor], phase: OpPhase, node: Any,
+                 pre: Optional[torch.Tensor], seq: Optional[int]) -> None:
+        """Queue one op's check. ``pre`` is an in-place op's input from before the op (see pre_state)."""
+        if ops.has_nonfinite_scalar(args, kwargs):
+            return
+        ctx = self.ctx
+        inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
+        external = tuple(not ctx.produced.contains(t) for t in inputs)
+        keys = tuple(storage_key(t) for t in inputs) + tuple(storage_key(t) for t in outs)
+        inplace = pre is not None and bool(inputs) and inputs[0] is args[0]
+        if inplace:
+            inputs = [pre.reshape(1)] + inputs[1:]  # type: ignore[union-attr]
+        site = op_site(ctx, func, phase, node, seq, sys._getframe(1))
+        if phase == "backward":
+            self._watch_node(node)
+            self._node_outs.update(k for k in keys[len(inputs):] if k is not None)
+            extra: Any = (id(node), node_input_producer(node), inplace)
+        else:  # named now: the input (and so its grad_fn) may be gone when the flags are read
+            extra = (None, producer(inputs[0]) if inputs else None, inplace)
+        self._push(Pending("op", _flags(outs + inputs), len(outs), _shapes(outs), _shapes(inputs), keys, external,
+                           site, ctx.clock.iteration, extra))
+
+    def queue_absorb(self, args: tuple, kwargs: dict, outs: list[torch.Tensor], backward: bool) -> None:
+        """A where/masked_fill: replayed in order, it tells whether a born value was thrown away."""
+        inputs = ops.float_inputs(args, kwargs)
+        if not inputs:
+            return
+        out_keys = tuple(storage_key(t) for t in outs)
+        keys = tuple(storage_key(t) for t in inputs)
+        if backward:  # a gradient formula masking inside its node (the norm's masked_fill_)
+            self._node_outs.update(k for k in out_keys if k is not None)
+        self._push(Pending("absorb", _flags(outs + inputs), len(outs), (), (), keys + out_keys, (), None, 0,
+                           tuple(k in out_keys for k in keys)))
+
+    def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
+        """Module mode: queue a module's output (its inputs count as external: no op-level tracking)."""
+        inputs = ops.float_inputs(args, {})
+        site = Site("forward", f"{type(module).__name__} (module output)", here(path, None))
+        self._push(Pending("module", _flags([t] + inputs), 1, _shapes([t]), _shapes(inputs), (), (), site,
+                           self.ctx.clock.iteration, module))
+
+    def queue_grad(self, path: str, grad: torch.Tensor) -> None:
+        site = Site("backward", f"gradient into {path}", Place(None, path, None, None, "<module>"))
+        self._push(Pending("grad", _flags([grad]), 1, _shapes([grad]), (), (), (), site, self.ctx.clock.iteration))
+
+    def _watch_node(self, node: Any) -> None:
+        """Give each backward node with a checked op a post hook that queues its gradients' flags."""
+        key = id(node)
+        if key != self._hooked:
+            self._hooked = key
+            self._node_outs = set()
+            self.ctx.keep_handle(node.register_hook(_NodeDone(self, key)))
+
+    def node_done(self, key: int, grad_inputs: Any) -> None:
+        """Queue what the node's gradients are: flags of its own queued outputs, else new sums."""
+        with self.ctx.quiet():
+            grads = [g for g in grad_inputs if isinstance(g, torch.Tensor) and ops.checkable(g) and g.numel()]
+            keys = [storage_key(g) for g in grads]
+            reused = tuple(k for k in keys if k is not None and k in self._node_outs)
+            fresh = [g for g, k in zip(grads, keys) if k is None or k not in self._node_outs]
+            self._push(Pending("node", _flags(fresh) if fresh else None, len(fresh), (), (), reused, (), None, 0, key))
+
+    def _push(self, p: Pending) -> None:
+        self.pending.append(p)
+        if len(self.pending) > _MAX_QUEUE or self.ctx.options.raise_on_birth:
+            self.flush()
+
+    # -- reading and replaying ---------------------------------------------------------------------
+    def flush(self) -> None:
+        """Read every queued flag (one transfer per device) and replay the entries in order."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        for p, flags in zip(pending, read_all(pending)):
+            bad, nan, neg = flags
+            if p.entry == "node":
+                # A gradient no replayed entry wrote (another node's storage) counts as non-finite: keep.
+                self.ctx.log.node_done(p.extra, bad + [self._bad_keys.get(k, True) for k in p.keys])
+                self._bad_keys.clear()
+                continue
+            if p.entry == "absorb" or (p.entry == "op" and p.site.phase == "backward"):
+                n_in = len(p.keys) - p.n_out
+                self._bad_keys.update((k, b) for k, b in zip(p.keys[n_in:], bad[: p.n_out]) if k is not None)
+            if p.entry == "absorb":
+                self._replay_absorb(p, bad)
+            elif any(bad[: p.n_out]):
+                self._replay(p, bad, nan, neg)
+
+    def _replay_absorb(self, p: Pending, bad: list[bool]) -> None:
+        log = self.ctx.log
+        keys = p.keys[: len(p.keys) - p.n_out]
+        born = [log.is_born(k) for k in keys]
+        if any(born):
+            log.absorb(keys, judge_absorb(any(bad[: p.n_out]), born, bad[p.n_out:], p.extra))
+
+    def _replay(self, p: Pending, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
+        n, log = p.n_out, self.ctx.log
+        in_bad, in_nan = bad[n:], nan[n:]
+        out_nan = any(nan[:n])
+        if p.entry == "grad":
+            verdict = judge_gradient(log.has_events())
+        elif p.entry == "module":
+            verdict = self._module_verdict(p, any(in_bad))
+        else:
+            keys = p.keys[: len(p.inputs)]
+            facts = OpFacts(p.site.phase, out_nan, tuple(
+                InputFact(b, a, b and not a and s, b and e, p.site.phase == "backward" and b and log.from_absorbed(k))
+                for b, a, s, e, k in zip(in_bad, in_nan, neg[n:], p.external, keys)), log.has_events())
+            verdict = judge(facts)
+            if verdict == "propagation" and p.site.phase == "forward":
+                log.propagated([k for k, b in zip(keys, in_bad) if b])
+        if verdict == "propagation":
+            return
+        self._report(p, verdict, bad, nan, neg)
+
+    def _module_verdict(self, p: Pending, inputs_bad: bool) -> Verdict:
+        path = p.site.place.module or ""
+        inner = any(e.module and e.module.startswith(path + ".") for e in self.ctx.log.events)
+        params = bad_parameters(p.extra) if not inner else []
+        return judge_module(True, inputs_bad, bool(params), self.ctx.log.has_events(), inner)
+
+    def _report(self, p: Pending, verdict: Any, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
+        ctx, n = self.ctx, p.n_out
+        kind = "nan" if any(nan[:n]) else "inf"
+        i = next(k for k in range(n) if bad[k])
+        output = p.outputs[i].stats(nan[i], bad[i] and not nan[i], neg[i])
+        in_bad = bad[n:]
+        shown, detail = shown_inputs(verdict, in_bad, p.entry == "op" and p.extra[2])
+        stats = tuple(p.inputs[k].stats(nan[n + k], in_bad[k] and not nan[n + k], neg[n + k]) for k in shown)
+        if p.entry == "op":
+            self._report_op(p, verdict, kind, stats, output, bad, detail)
+            return
+        if ctx.options.ignore_inf and kind == "inf":
+            return
+        if p.entry == "module":
+            event = module_event(ctx, p.site.place, p.site.op, verdict, stats, output, kind, p.extra, any(in_bad),
+                                 p.iteration)
+        else:
+            event = make_event("backward", p.site.op, p.site.place, (), output, kind=kind, iteration=p.iteration)
+        ctx.log.add(dataclasses.replace(event, deferred=True))
+
+    def _report_op(self, p: Pending, verdict: Any, kind: Any, stats: tuple, output: Any, bad: list[bool],
+                   detail: str) -> None:
+        ctx, n = self.ctx, p.n_out
+        keys = p.keys[: len(p.inputs)]
+        culprits = [k for k, b in zip(keys, bad[n:]) if b]
+        event = report_op(ctx, p.site, verdict, kind, stats, output, culprits, p.extra[1], p.iteration,
+                          deferred=True, detail=detail)
+        if event is None:
+            return
+        if p.site.phase == "backward" and verdict == "birth":
+            ctx.log.hold(p.extra[0], event)
+        else:
+            ctx.log.add(event, [k for k, b in zip(p.keys[len(p.inputs):], bad[:n]) if b])
 
 
-def queue_grad(rec: "NanRecorder", path: str, grad: torch.Tensor) -> None:
-    _push(rec, [grad], [], (), "backward", f"gradient into {path}", Place(None, path, None, None, "<module>"),
-          dict(grad=True))
+def _shapes(tensors: list[torch.Tensor]) -> tuple[Shape, ...]:
+    return tuple(Shape.of(t) for t in tensors)
 
 
-def _push(rec: "NanRecorder", outs: list[torch.Tensor], inputs: list[torch.Tensor], external: tuple[bool, ...],
-          phase: str, op: str, place: Place, extra: dict) -> None:
-    rec.pending.append(Pending(
-        flags=device_flags(outs + inputs), n_out=len(outs), external=external,
-        outputs=tuple(Shape.of(t) for t in outs), inputs=tuple(Shape.of(t) for t in inputs),
-        phase=phase, op=op, place=place, extra=extra, iteration=rec.iteration))
-    if len(rec.pending) > _MAX_QUEUE:
-        flush(rec)
+def _flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's propagating sum, on the device, no sync: NaN/Inf in a tensor make its sum NaN/Inf,
+    and a sum of -inf means only -inf values (an additive mask). The flags ``bad, nan, negative`` are
+    derived on the host after the one transfer (no kernels for them here). The sums accumulate in
+    float64 so that huge finite values (bfloat16 reaches 3.4e38) cannot overflow them: these flags
+    are never confirmed against the tensor later."""
+    if len(tensors) == 1:
+        return tensors[0].sum(dtype=torch.float64).reshape(1)
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors])
 
 
-def flush(rec: "NanRecorder", raising: bool = True) -> None:
-    """Read every queued flag (one transfer per device) and turn flagged entries into events, in order."""
-    pending, rec.pending = rec.pending, []
-    if not pending:
-        return
-    for p, (bad, nan, neg) in zip(pending, read_all(pending)):
-        if any(bad[: p.n_out]):
-            event = _verdict(rec, p, bad, nan, neg)
-            if event is not None:
-                if not raising:
-                    rec.raise_on_birth = False
-                rec.add_event(event, [])
+def read_all(pending: list[Pending]) -> list[tuple[list[bool], list[bool], list[bool]]]:
+    """Read every queued sum with one transfer per device; (bad, nan, negative) per tensor."""
+    by_device: dict[torch.device, list[int]] = {}
+    result: list[Any] = [([], [], [])] * len(pending)
+    for i, p in enumerate(pending):
+        if p.flags is not None:
+            by_device.setdefault(p.flags.device, []).append(i)
+    for indices in by_device.values():
+        flat = torch.cat([pending[i].flags for i in indices]).cpu().tolist()  # type: ignore[misc]
+        pos = 0
+        for i in indices:
+            sums = flat[pos:pos + pending[i].flags.shape[0]]  # type: ignore[union-attr]
+            pos += len(sums)
+            result[i] = ([not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums])
+    return result
 
 
-def _verdict(rec: "NanRecorder", p: Pending, bad: list[bool], nan: list[bool], neg: list[bool]) -> Optional[Any]:
-    n = p.n_out
-    in_bad, in_nan, out_nan = bad[n:], nan[n:], any(nan[:n])
-    external = [float("nan") if a else float("-inf") if s else float("inf")
-                for b, a, s, e in zip(in_bad, in_nan, neg[n:], p.external) if b and e]
-    if p.extra.get("grad") and rec.has_events():
-        return None  # module mode: a gradient made non-finite by an earlier birth
-    if p.extra.get("module_mode") and any(e.module and e.module.startswith(p.extra["path"] + ".") for e in rec.events):
-        return None  # a submodule already reported this one
-    if not any(in_bad):
-        verdict = "birth"
-    elif external and not rec.has_events() and not is_mask(external, out_nan):
-        verdict = "input"
-    elif out_nan and not any(in_nan):
-        verdict = "birth"  # NaN made from infinities
-    else:
-        return None
-    kind = "nan" if out_nan else "inf"
-    if rec.ignore_inf and kind == "inf":
-        return None
-    i = next(k for k in range(n) if bad[k])
-    inputs = tuple(s.stats(a, b and not a) for s, a, b in zip(p.inputs, in_nan, in_bad))[:4]
-    output = p.outputs[i].stats(nan[i], bad[i] and not nan[i])
-    if p.phase == "backward" and "node" in p.extra:
-        return make_event("backward", p.extra["node"], p.place, inputs, output, kind=kind, iteration=p.iteration,
-                          aten_op=p.op, node_name=p.extra["node"], sequence_nr=p.extra["seq"],
-                          forward_op=p.extra["fwd_op"], forward_module=p.place.module,
-                          forward_lineno=p.place.lineno, deferred=True)
-    phase = "input" if verdict == "input" else p.phase
-    extra = {"aten_op": p.op, "sequence_nr": p.extra.get("seq")} if "seq" in p.extra else {}
-    return make_event(phase, p.op, p.place, inputs, output, kind=kind, iteration=p.iteration, deferred=True, **extra)
+class _NodeDone:
+    """Autograd node post hook: queues the flags of the gradients the node produced."""
+
+    __slots__ = ("checks", "key")
+
+    def __init__(self, checks: DeferredChecks, key: int) -> None:
+        self.checks, self.key = checks, key
+
+    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        try:
+            self.checks.node_done(self.key, grad_inputs)
+        except NanBirthError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
+            self.checks.ctx.internal_error("a backward node's gradients", exc)

@@ -1,14 +1,21 @@
-"""Build :class:`NanEvent` records from live tensors (only when a check flagged: precise stats here)."""
+"""Where an op ran (:class:`Site`) and how a verdict becomes a :class:`NanEvent`, for both check paths.
+
+The immediate and the deferred path build the same :class:`Site` for an op (the deferred one when
+it queues the op, the immediate one when its check flags) and the same event from it.
+"""
 from __future__ import annotations
 
 import sys
 import types
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from torch_nbdebug.data.nanwatch import NanEvent
+from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.data.stats import TensorStats
+from torch_nbdebug.record.compat import node_sequence_nr
+from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
 from torch_nbdebug.record.source import is_user_code, line_of, user_frame
 from torch_nbdebug.record.stats import summarize
 
@@ -48,7 +55,67 @@ def user_backward_frame(start: Optional[types.FrameType]) -> Optional[types.Fram
     return None
 
 
-def kind_of(stats: list[TensorStats]) -> str:
+class Site(NamedTuple):
+    """An op and where it ran: the op's forward place, its autograd node in backward."""
+
+    phase: OpPhase
+    op: str  # the ATen overload
+    place: Place
+    seq: Optional[int] = None  # autograd sequence nr: the node made in forward, or the running node
+    node: Optional[str] = None  # the running autograd node's name (backward)
+    forward_op: Optional[str] = None
+    forward: Optional[Place] = None  # backward: where the node was made in forward
+    user_backward: bool = False  # backward: run by the user's own backward code (place is that line)
+
+
+def forward_site(module: Optional[str], func: Any, seq: Optional[int], start: types.FrameType) -> Site:
+    return Site("forward", str(func), here(module, func, start), seq)
+
+
+def backward_site(node: Any, func: Any, forward: Optional[Place], start: types.FrameType) -> Site:
+    """The node's forward place, or the user's own backward line when their code runs the op."""
+    # No forward place (AccumulateGrad, a node made before the watch): the line that ran backward().
+    place = forward if forward is not None else here(None, None, start)
+    mine = user_backward_frame(start)
+    if mine is not None:
+        place = Place(place.op, place.module, mine.f_code.co_filename, mine.f_lineno, mine.f_code.co_name)
+    fwd_op = str(forward.op) if forward is not None and forward.op is not None else None
+    return Site("backward", str(func), place, node_sequence_nr(node), node.name(), fwd_op, forward, mine is not None)
+
+
+def producer(t: Any) -> Optional[str]:
+    """The autograd node that made ``t`` (``ClampMinBackward0``), if it has one."""
+    fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else t
+    return fn.name() if fn is not None else None
+
+
+def node_input_producer(node: Any) -> Optional[str]:
+    """The node that made a backward node's first forward input (``sqrt(x.clamp(0))``: the clamp)."""
+    for fn, _ in node.next_functions:
+        if fn is not None:
+            return fn.name()
+    return None
+
+
+def site_event(site: Site, verdict: Verdict, inputs: tuple[TensorStats, ...], output: Optional[TensorStats],
+               kind: Kind, iteration: int, **extra: Any) -> NanEvent:
+    """The event for a judged op (``verdict`` is birth or input)."""
+    if site.phase == "backward" and verdict == "birth":
+        fwd = site.forward
+        if site.user_backward:
+            extra.update(detail=USER_BACKWARD, cause="user_backward")
+        return make_event("backward", site.node or site.op, site.place, inputs, output, kind=kind,
+                          iteration=iteration, aten_op=site.op, node_name=site.node, sequence_nr=site.seq,
+                          forward_op=site.forward_op, forward_module=fwd.module if fwd is not None else None,
+                          forward_lineno=fwd.lineno if fwd is not None else None, **extra)
+    if site.node is not None:
+        extra.update(node_name=site.node)
+    phase = "input" if verdict == "input" else "forward"
+    return make_event(phase, site.op, site.place, inputs, output, kind=kind, iteration=iteration,
+                      aten_op=site.op, sequence_nr=site.seq, **extra)
+
+
+def kind_of(stats: list[TensorStats]) -> Kind:
     return "nan" if any(s.nan for s in stats) else "inf"
 
 
@@ -57,30 +124,62 @@ def stats_of(tensors: list[torch.Tensor], limit: int = 4) -> tuple[TensorStats, 
 
 
 def make_event(phase: str, op: str, place: Place, inputs: tuple[TensorStats, ...], output: Optional[TensorStats],
-               *, kind: str, iteration: int, **extra: Any) -> NanEvent:
+               *, kind: Kind, iteration: int, **extra: Any) -> NanEvent:
     """A :class:`NanEvent` at ``place`` (hints are added later by the process layer)."""
     line, function = "", place.function
     if place.filename is not None and place.lineno is not None:
         src = line_of(place.filename, place.lineno, place.function)
         line = src.text
-    return NanEvent(phase=phase, op=op, kind=kind, module=place.module, filename=place.filename,
+    return NanEvent(phase=phase, op=op, kind=kind,  # type: ignore[arg-type]
+                    module=place.module, filename=place.filename,
                     lineno=place.lineno, line=line, function=function, inputs=inputs, output=output,
                     iteration=iteration, **extra)
 
 
 class Shape(NamedTuple):
-    """What a deferred check keeps of a tensor until its flags are read: no data, no reference."""
+    """What a deferred check keeps of a tensor until its flags are read: no data, no strong reference.
+
+    ``ref`` is a weak reference and ``version`` the tensor's version counter when the op ran: if the
+    tensor is still alive and unchanged when the flags are read, its exact statistics are taken then.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     device: str
     numel: int
+    ref: Any = None
+    version: int = -1
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Shape":
-        return cls(tuple(int(s) for s in t.shape), str(t.dtype).replace("torch.", ""), str(t.device), t.numel())
+        try:
+            ref, version = weakref.ref(t), t._version
+        except (TypeError, RuntimeError):  # a tensor without weak references or version counter
+            ref, version = None, -1
+        return cls(tuple(int(s) for s in t.shape), str(t.dtype).replace("torch.", ""), str(t.device), t.numel(),
+                   ref, version)
 
-    def stats(self, nan: bool, inf: bool) -> TensorStats:
+    def live(self) -> Optional[torch.Tensor]:
+        """The tensor, if it is alive and still holds the values the op saw."""
+        t = self.ref() if self.ref is not None else None
+        return t if t is not None and t._version == self.version else None
+
+    def stats(self, nan: bool, inf: bool, neg: bool = False) -> TensorStats:
+        """Exact statistics of the live, unchanged tensor, else what the flags say (``neg``: -inf)."""
+        t = self.live()
+        if t is not None:
+            return summarize(t)
         return TensorStats(shape=self.shape, dtype=self.dtype, device=self.device, numel=self.numel,
-                           nan=int(nan), inf=int(inf),
+                           nan=int(nan), inf=int(inf), neg_inf=int(inf and neg),
                            note="deferred check on the device: at least one; exact counts were not kept")
+
+
+def birth_message(event: NanEvent) -> str:
+    """The NanBirthError text: what, where (the user's line), and how to look further."""
+    where = f"line {event.lineno} of {event.filename}" if event.lineno is not None else "an unknown line"
+    text = f"{event.title()}\n  at {where}"
+    if event.line:
+        text += f": {event.line}"
+    if event.output is not None:
+        text += f"\n  output: {event.output.brief()}"
+    return text + "\n  (the full report is in the error's .report and, in a notebook, in _nanwatch)"

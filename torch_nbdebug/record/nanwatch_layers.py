@@ -76,6 +76,10 @@ class LayerRecorder:
         self.deferred = deferred
         self._rows: dict[str, _Row] = {}
 
+    def seen(self) -> bool:
+        """Whether any module ran."""
+        return bool(self._rows)
+
     def enter(self, path: str) -> None:
         row = self._rows.get(path)
         if row is None:

@@ -1,49 +1,89 @@
 """Module-level checks: per-module statistics at each module exit, gradients into module outputs,
 and the cheap ``mode="module"`` check (only module outputs, no dispatch mode).
-
-A mixin of :class:`~torch_nbdebug.record.nanwatch.NanRecorder`; it uses the recorder's state.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
+import math
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from torch_nbdebug.data.nanwatch import Kind, NanEvent
+from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
-from torch_nbdebug.record import nanwatch_deferred as deferred
 from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
+from torch_nbdebug.record.nanwatch_context import WatchContext
 from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
-from torch_nbdebug.record.nanwatch_layers import first_float_tensor
+from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor
+from torch_nbdebug.record.nanwatch_params import carriers
+from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch import NanRecorder
+    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
+
+
+def bad_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Weights an earlier step (or the code before the watch) made non-finite: inputs too."""
+    return [p for p in module.parameters() if ops.checkable(p) and ops.any_nonfinite(p)]
+
+
+def module_event(ctx: WatchContext, place: Place, op: str, verdict: Verdict, inputs: tuple[TensorStats, ...],
+                 output: TensorStats, kind: Kind, module: torch.nn.Module, inputs_bad: bool,
+                 iteration: int) -> NanEvent:
+    """A module-mode event; a non-finite weight (with finite inputs) is named as the carrier."""
+    event = make_event("input" if verdict == "input" else "forward", op, place, inputs, output, kind=kind,
+                       iteration=iteration)
+    if verdict == "input" and not inputs_bad:
+        params = bad_parameters(module)
+        if params:
+            event = dataclasses.replace(event, **carriers(ctx.namespace, [storage_key(p) for p in params]).fields())
+    return event
 
 
 class ModuleChecks:
-    """Module exit / gradient callbacks of the recorder (methods typed with the recorder as self)."""
+    """Module enter/exit and gradient callbacks. ``depth`` is the module nesting (1: a top-level
+    model), ``busy`` is True while an optimizer step runs (its modules are not checked)."""
 
-    def _module_enter(self: "NanRecorder", path: str, module: torch.nn.Module) -> None:
-        if threading.get_ident() != self.thread_id:
-            self.other_thread = True  # dispatch modes are per thread: that thread's ops go unchecked
-        if self._tracker is not None and len(self._tracker.stack) == 1:
-            self._forward_tick()
+    def __init__(self, ctx: WatchContext, layers: LayerRecorder, deferred: Optional["DeferredChecks"],
+                 depth: Callable[[], int], busy: Callable[[], bool]) -> None:
+        self.ctx, self.layers, self.deferred = ctx, layers, deferred
+        self._depth, self._busy = depth, busy
+        self.thread_id = threading.get_ident()
+        self.other_thread = False
+        self._last_exit: Optional[tuple[Any, Optional[list[float]], Any]] = None  # (weakref, values, hook)
+
+    def mine(self) -> bool:
+        """Module hooks are global: another thread's modules (its own watch, a worker) are not ours."""
+        if threading.get_ident() == self.thread_id:
+            return True
+        self.other_thread = True
+        return False
+
+    def enter(self, path: str, module: torch.nn.Module) -> None:
+        if self._depth() == 1:
+            self.ctx.clock.forward()
         self.layers.enter(path)
 
-    def _module_exit(self: "NanRecorder", module: torch.nn.Module, args: Any, output: Any) -> None:
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.mine():
+            return
         try:
-            self._check_module_exit(module, args, output)
+            self._check_exit(module, args, output)
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - see OpWatchMode
-            self.internal_error(f"the output of {type(module).__name__}", exc)
+            self.ctx.internal_error(f"the output of {type(module).__name__}", exc)
 
-    def _check_module_exit(self: "NanRecorder", module: torch.nn.Module, args: Any, output: Any) -> None:
-        path = self.module_path()
-        if path is None or (self._optim is not None and self._optim.active):
+    def forget(self) -> None:
+        self._last_exit = None
+
+    def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        path = self.ctx.module_path()
+        if path is None or self._busy():
             return
         t = first_float_tensor(output)
         if t is None:
@@ -55,79 +95,76 @@ class ModuleChecks:
             if last[2] is not None:
                 last[2].paths.append(path)
             return
-        with self.quiet():
+        ctx = self.ctx
+        with ctx.quiet():
             values = self.layers.forward(path, t)
             hook = None
-            if self.mode == "module":
-                if self.layers.deferred:
-                    deferred.queue_module(self, path, module, args, t)
-                elif not all(v - v == 0 for v in values or ()):
+            if ctx.options.mode == "module":
+                if self.deferred is not None:
+                    self.deferred.queue_module(path, module, args, t)
+                elif not all(math.isfinite(v) for v in values or ()):
                     self._module_birth(path, module, args, t)
-            if self.backward and t.requires_grad and torch.is_grad_enabled():
+            if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
                 hook = _GradHook(self, path)
-                self._grad_handles.append(t.register_hook(hook))
-                if len(self._grad_handles) > 4096:  # long loops: forget hooks whose tensor is gone
-                    self._grad_handles = [h for h in self._grad_handles if h.hooks_dict_ref() is not None]
+                ctx.keep_handle(t.register_hook(hook))
             self._last_exit = (weakref.ref(t), values, hook)
-            if self._tracker is not None and len(self._tracker.stack) == 1 and self.layers.deferred:
-                self.flush()
+            if self._depth() == 1 and self.deferred is not None:
+                ctx.flush()
 
-    def _module_birth(self: "NanRecorder", path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
-        if any(e.module and e.module.startswith(path + ".") for e in self.events):
-            return  # a submodule already reported this one
+    def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
+        log = self.ctx.log
+        inner = any(e.module and e.module.startswith(path + ".") for e in log.events)
         inputs = ops.float_inputs(args, {})
-        in_bad = [ops.is_bad_value(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
-        # Weights an earlier step (or the code before the watch) made non-finite are inputs too.
-        bad_params = [p for p in module.parameters() if ops.checkable(p) and ops.any_nonfinite(p)]
-        if (any(in_bad) or bad_params) and self.has_events():
+        in_bad = any(not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs)
+        params_bad = not inner and not in_bad and bool(bad_parameters(module))
+        verdict = judge_module(True, in_bad, params_bad, log.has_events(), inner)
+        if verdict == "propagation":
             return
         out = stats_of([t], 1)[0]
         kind = kind_of([out])
-        if self.ignore_inf and kind == "inf":
+        if self.ctx.options.ignore_inf and kind == "inf":
             return
-        phase = "input" if any(in_bad) or bad_params else "forward"
-        place = here(path, None, sys._getframe(1))
-        event = make_event(phase, f"{type(module).__name__} (module output)", place, stats_of(inputs), out,
-                           kind=kind, iteration=self.iteration)
-        if bad_params and not any(in_bad):
-            event = dataclasses.replace(event, detail=self._describe_inputs(bad_params))
-        self.add_event(event, [])
+        place = here(path, None)
+        log.add(module_event(self.ctx, place, f"{type(module).__name__} (module output)", verdict, stats_of(inputs),
+                             out, kind, module, in_bad, self.ctx.clock.iteration))
 
-    def on_grad(self: "NanRecorder", paths: list[str], grad: torch.Tensor) -> None:
+    def on_grad(self, paths: list[str], grad: torch.Tensor) -> None:
         """A gradient reached a module's output (tensor hook): table stats, and module-mode check."""
-        self._saw_backward = True
+        ctx = self.ctx
+        ctx.clock.saw_backward = True
         if grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return
         path = paths[0]
-        with self.quiet():
+        with ctx.quiet():
             values = self.layers.gradient(path, grad)
             for other in paths[1:]:
                 if values is not None:
                     self.layers.take_gradient(other, values)
-            if self.mode == "module" and self.layers.deferred:
-                deferred.queue_grad(self, path, grad)
-            elif self.mode == "module" and not all(v - v == 0 for v in values or ()) and not self.has_events():
+            if ctx.options.mode != "module":
+                return
+            if self.deferred is not None:
+                self.deferred.queue_grad(path, grad)
+            elif not all(math.isfinite(v) for v in values or ()) and judge_gradient(ctx.log.has_events()) == "birth":
                 out = stats_of([grad], 1)[0]
                 kind = kind_of([out])
-                if not (self.ignore_inf and kind == "inf"):
+                if not (ctx.options.ignore_inf and kind == "inf"):
                     place = Place(None, path, None, None, "<module>")
-                    self.add_event(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
-                                         iteration=self.iteration), [])
-
+                    ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
+                                           iteration=ctx.clock.iteration))
 
 
 class _GradHook:
     """Tensor hook that only reads the gradient (returns None, so the value is unchanged)."""
 
-    __slots__ = ("recorder", "paths")
+    __slots__ = ("checks", "paths")
 
-    def __init__(self, recorder: "NanRecorder", path: str) -> None:
-        self.recorder, self.paths = recorder, [path]
+    def __init__(self, checks: ModuleChecks, path: str) -> None:
+        self.checks, self.paths = checks, [path]
 
     def __call__(self, grad: torch.Tensor) -> None:
         try:
-            self.recorder.on_grad(self.paths, grad)
+            self.checks.on_grad(self.paths, grad)
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - see OpWatchMode
-            self.recorder.internal_error(f"the gradient into {self.paths[0]}", exc)
+            self.checks.ctx.internal_error(f"the gradient into {self.paths[0]}", exc)

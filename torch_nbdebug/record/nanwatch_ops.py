@@ -10,7 +10,8 @@ import math
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from torch_nbdebug.record.compat import op_arguments, tree_leaves
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
@@ -65,10 +66,7 @@ def writes(func: Any) -> tuple[int, frozenset[str]]:
 
 
 def _schema_writes(func: Any) -> tuple[int, frozenset[str]]:
-    try:
-        arguments = func._schema.arguments
-    except AttributeError:
-        return PURE, frozenset()
+    arguments = op_arguments(func)  # [] without a schema: pure
     written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
     outs = frozenset(a.name for a in written if a.kwarg_only)
     if outs:

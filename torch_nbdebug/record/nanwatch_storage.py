@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
-_expired = torch.UntypedStorage._expired
-_free = torch.UntypedStorage._free_weak_ref
+from torch_nbdebug.record import compat
+
+_expired = compat.storage_expired
+_free = compat.free_storage_weak_ref
 _PURGE_EVERY = 8192
 
 
@@ -36,10 +38,10 @@ class StorageRegistry:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
             return
-        key = storage._cdata
+        key = compat.storage_id(storage)
         if key in self._keys:
             return
-        self._keys[key] = storage._weak_ref()
+        self._keys[key] = compat.storage_weak_ref(storage)
         self._adds += 1
         if self._adds >= _PURGE_EVERY:
             self.purge()
@@ -49,7 +51,7 @@ class StorageRegistry:
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
             if isinstance(t, torch.Tensor):
                 try:
-                    weak = self._keys.pop(t.untyped_storage()._cdata, None)
+                    weak = self._keys.pop(compat.storage_id(t.untyped_storage()), None)
                 except (RuntimeError, NotImplementedError):
                     continue
                 if weak is not None:
@@ -57,7 +59,7 @@ class StorageRegistry:
 
     def contains(self, t: torch.Tensor) -> bool:
         try:
-            return t.untyped_storage()._cdata in self._keys
+            return compat.storage_id(t.untyped_storage()) in self._keys
         except (RuntimeError, NotImplementedError):
             return False
 

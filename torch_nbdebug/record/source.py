@@ -1,16 +1,18 @@
-"""Find the user's own line of code from inside torch: skip torch, torch_nbdebug, IPython and the stdlib.
+"""The user's code and names: their own line (skipping torch, torch_nbdebug, IPython and the stdlib),
+and their namespace as every tool reads it (:func:`caller_namespace`).
 
 The walk is cached per file name, so repeated calls cost a dictionary lookup per frame rather than
 path string tests.
 """
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import sys
 import sysconfig
 import types
-from typing import Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -79,3 +81,176 @@ def line_of(filename: str, lineno: int, function: str = "<module>") -> SourceLin
 def cell_source(filename: str) -> str:
     """The whole source behind ``filename`` (a cell or file) or '' when unknown."""
     return "".join(linecache.getlines(filename))
+
+
+# -- the user's namespace ----------------------------------------------------------------------
+def inspectable(value: Any) -> bool:
+    """Whether ``isinstance`` can look at ``value``: its ``__class__`` can be read.
+
+    ``isinstance`` falls back to ``value.__class__``, which an unbound lazy proxy (werkzeug's
+    ``LocalProxy``, ``lazy_object_proxy``) or a ``weakref.proxy`` to a dead object raises from.
+    """
+    try:
+        value.__class__  # noqa: B018 - the read is the test
+    except Exception:  # noqa: BLE001 - whatever the user's object raises, we only skip it
+        return False
+    return True
+
+
+class UserNamespace(Mapping[str, Any]):
+    """The user's variables as every tool reads them: live, and only what can be inspected.
+
+    Built over a mapping (the shell's ``user_ns``, an explicit ``namespace=``) or over the frame of
+    the code that called a Python twin, whose locals shadow its globals. Locals are read at the
+    moment they are needed, so a model created inside the ``with`` block is named too; nothing is
+    kept between reads, and :meth:`release` drops the frame when the tool is done.
+
+    Names that are not strings, and values that cannot be inspected, are left out and remembered in
+    :attr:`skipped` (scans deeper in the objects add theirs with :meth:`skip`), so every scan below
+    can use ``isinstance`` and the tools can say what they could not look at.
+    """
+
+    def __init__(self, mapping: Optional[Mapping[str, Any]] = None,
+                 frame: Optional[types.FrameType] = None) -> None:
+        self._mapping = mapping
+        self._frame = frame
+        self._skipped: dict[str, None] = {}  # ordered set
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _layers(self) -> list[Mapping[Any, Any]]:
+        """Where names are looked up, innermost first (a fresh read of the frame's locals)."""
+        if self._frame is not None:
+            local = frame_locals(self._frame)
+            return [self._frame.f_globals] if local is None else [local, self._frame.f_globals]
+        return [self._mapping] if self._mapping is not None else []
+
+    def items(self) -> Any:  # type: ignore[override] - a list: one read of the frame per scan
+        merged: dict[str, Any] = {}
+        for layer in reversed(self._layers()):
+            try:
+                pairs = list(layer.items())
+            except Exception:  # noqa: BLE001 - a user's mapping that cannot be listed
+                self.skip("<namespace>")
+                continue
+            merged.update(pairs)
+        return [(k, v) for k, v in merged.items() if self._readable(k, v)]
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [v for _, v in self.items()]
+
+    def keys(self) -> Any:  # type: ignore[override]
+        return [k for k, _ in self.items()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def __getitem__(self, key: str) -> Any:
+        for layer in self._layers():
+            try:
+                value = layer[key]
+            except KeyError:
+                continue
+            if not self._readable(key, value):
+                raise KeyError(key)
+            return value
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def _readable(self, key: Any, value: Any) -> bool:
+        if not issubclass(type(key), str):  # type() never runs the user's code; isinstance may
+            return False
+        if inspectable(value):
+            return True
+        self.skip(key)
+        return False
+
+    def mapping_ids(self) -> set[int]:
+        """``id`` of the dicts read (the shell's ``user_ns``, the caller's globals): a walk of the
+        values must not name everything again through ``ns = globals()``."""
+        if self._frame is not None:
+            return {id(self._frame.f_globals)}
+        return {id(self._mapping)} if self._mapping is not None else set()
+
+    # -- what could not be read ------------------------------------------------------------------
+    def skip(self, name: str) -> None:
+        """Remember a value (or a name inside one, ``cache["k"]``) that could not be inspected."""
+        self._skipped[str(name)] = None
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(self._skipped)
+
+    def release(self) -> None:
+        """Forget the frame (and so its locals): the tool is done with the caller."""
+        self._frame = None
+        self._mapping = None
+
+
+def skipped_note(names: "tuple[str, ...] | list[str]") -> str:
+    """One line for the user: how many objects were skipped, and which."""
+    if not names:
+        return ""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"skipped {len(names)} object(s) that could not be inspected ({shown}): they raise when their "
+            f"type or contents are read, e.g. an unbound proxy or a dead weak reference")
+
+
+def frame_locals(frame: types.FrameType) -> Optional[dict[str, Any]]:
+    """The locals of a function's frame now, as a new dict; None for module-level code.
+
+    Before Python 3.13 ``frame.f_locals`` fills a snapshot dict that stays attached to the frame and
+    keeps every value it holds alive until the function returns, even after the function deletes
+    the variable. The snapshot is emptied again after it is copied when nobody else holds it (the
+    refcount is the frame's, ours and ``getrefcount``'s): the next ``locals()`` refills it, so the
+    user's program sees no difference, and the tool's copy lives only as long as the scan using it.
+    """
+    if frame.f_locals is frame.f_globals:  # a notebook cell or a module: the globals are the locals
+        return None
+    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:  # class body or exec(..., locals): the real dict
+        return frame.f_locals
+    snapshot = frame.f_locals
+    copy = dict(snapshot)
+    if sys.version_info < (3, 13) and sys.getrefcount(snapshot) <= 3:
+        snapshot.clear()
+    return copy
+
+
+def caller_namespace(namespace: Optional[Mapping[str, Any]] = None) -> UserNamespace:
+    """The one way the tools read the user's variables.
+
+    ``namespace`` when given (the magics pass the shell's ``user_ns``), else the live locals and
+    globals of the nearest frame outside torch_nbdebug: the code that called the Python twin.
+    Call :meth:`UserNamespace.release` when the tool is done, so the frame is not kept.
+    """
+    if isinstance(namespace, UserNamespace):
+        return namespace
+    if namespace is not None:
+        return UserNamespace(namespace)
+    frame = caller_frame()
+    try:
+        return UserNamespace(frame=frame) if frame is not None else UserNamespace({})
+    finally:
+        del frame
+
+
+def caller_frame() -> Optional[types.FrameType]:
+    """The nearest frame outside torch_nbdebug: the code that called a Python twin. Hold it only
+    while it is needed (a frame keeps all its locals alive)."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None and _is_ours(frame):
+        frame = frame.f_back
+    return frame
+
+
+def _is_ours(frame: types.FrameType) -> bool:
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and (name == "torch_nbdebug" or name.startswith("torch_nbdebug."))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from torch_nbdebug.data.stats import TensorStats
+from torch_nbdebug.record import compat
 
 _SKIP_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -53,8 +54,4 @@ def _float_stats(x: torch.Tensor, base: dict) -> TensorStats:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return False
-    return isinstance(t, FakeTensor)
+    return compat.is_fake(t)

@@ -1,14 +1,10 @@
-"""Tensor identity shared by the recorders."""
+"""Tensor identity shared by the recorders.
+
+``storage_key`` reads a private attribute, so it lives in :mod:`torch_nbdebug.record.compat`; the
+recorders keep importing it from here.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from torch_nbdebug.record.compat import storage_key
 
-import torch
-
-
-def storage_key(tensor: torch.Tensor) -> Optional[int]:
-    """Identity of a tensor's storage (shared by all its views), or None for storage-less tensors."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return None  # sparse, nested, functional or wrapper subclasses: no plain storage
+__all__ = ["storage_key"]

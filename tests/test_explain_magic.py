@@ -1,0 +1,293 @@
+"""%%explain through a real IPython shell: one test per error kind, asserting kind, op, module, line,
+culprit and hint; the user's exception passes through unchanged and the card comes under the traceback."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from torch_nbdebug.api.explain import Diagnosis
+from torch_nbdebug.magics import explain as explain_magics
+
+SETUP = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+    def forward(self, x):
+        h = self.features(x)
+        return self.fc(h.flatten(1))
+
+class Gate(nn.Module):
+    def __init__(self, inplace_act=False):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=inplace_act)
+    def forward(self, x):
+        s = torch.sigmoid(self.proj(x))
+        return self.act(s)
+
+class Shift(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(5))
+    def forward(self, x):
+        return x + self.offset
+
+torch.manual_seed(0)
+model = ConvNet()
+"""
+SETUP_LINES = SETUP.strip("\n").splitlines()
+
+
+def setup_line(text: str) -> int:
+    return SETUP_LINES.index(text) + 1
+
+
+@pytest.fixture
+def ip() -> Any:
+    """A real IPython shell with %explain registered and its exception hook installed."""
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.register_magics(explain_magics.MAGICS)
+    explain_magics.load(shell)
+    shell.run_cell(SETUP)
+    yield shell
+    explain_magics.unload(shell)
+    for kind, names in explain_magics.MAGICS.magics.items():  # leave the shell as %unload_ext would
+        for name in names:
+            shell.magics_manager.magics[kind].pop(name, None)
+    shell.magics_manager.registry.pop(explain_magics.MAGICS.__name__, None)
+    for name in list(shell.user_ns):
+        if name in {"model", "net", "ConvNet", "Gate", "Shift", "x", "h", "w", "loss", "out", "emb", "tokens",
+                    "_explain", "boom", "feats", "a", "b", "logits", "y", "hidden", "cell", "idx", "data"}:
+            shell.user_ns.pop(name, None)
+
+
+def explain_cell(ip: Any, body: str, line: str = "") -> tuple[Diagnosis, BaseException]:
+    """Run ``%%explain`` around ``body`` directly (the exception reaches the test) and return both."""
+    with capture_output():
+        with pytest.raises(Exception) as info:
+            ip.run_cell_magic("explain", line, body)
+    diagnosis = ip.user_ns["_explain"]
+    assert isinstance(diagnosis, Diagnosis), diagnosis
+    return diagnosis, info.value
+
+
+# -- shapes ------------------------------------------------------------------------------------
+def test_linear_after_convs_names_the_module_and_the_image_size(ip: Any) -> None:
+    d, exc = explain_cell(ip, "x = torch.randn(2, 3, 32, 32)\nout = model(x)\n")
+    assert "mat1 and mat2 shapes cannot be multiplied (2x2048 and 128x10)" in str(exc)
+    assert (d.kind, d.op, d.module) == ("shape", "aten::linear", "model.fc")
+    assert (d.lineno, d.line) == (setup_line("        return self.fc(h.flatten(1))"), "return self.fc(h.flatten(1))")
+    assert "expects 128 input features but gets 2048" in d.hint and "in_features=2048" in d.hint
+    assert "32×32 inputs" in d.hint and "4× larger" in d.hint and "nn.LazyLinear" in d.hint
+    shapes = {o.name: o.shape for o in d.operands}
+    assert shapes["model.fc.weight"] == (10, 128) and shapes["h"] == (2, 8, 16, 16)
+    assert "model.features.2" in next(o.producer for o in d.operands if o.name == "h")
+
+
+def test_conv_channel_mismatch(ip: Any) -> None:
+    d, _ = explain_cell(ip, "x = torch.randn(2, 1, 8, 8)\nout = model(x)\n")
+    assert (d.kind, d.op, d.module) == ("shape", "aten::convolution", "model.features.0")
+    assert "expects 3 input channels, the input has 1" in d.hint and "grayscale" in d.hint
+
+
+def test_cat_view_and_broadcast(ip: Any) -> None:
+    d, _ = explain_cell(ip, "a = torch.zeros(2, 4)\nb = torch.zeros(3, 5)\nout = torch.cat([a, b], dim=1)\n")
+    assert (d.kind, d.op, d.lineno, d.line) == ("shape", "aten::cat", 3, "out = torch.cat([a, b], dim=1)")
+    assert {o.name for o in d.operands} == {"a", "b"}
+    d, _ = explain_cell(ip, "a = torch.zeros(5)\nout = a.view(2, 3)\n")
+    assert (d.kind, d.op, d.lineno) == ("shape", "aten::view", 2) and "6 elements" in d.hint and "5" in d.hint
+    d, _ = explain_cell(ip, "net = Shift()\nout = net(torch.zeros(2, 4))\n")
+    assert (d.kind, d.op, d.module, d.line) == ("shape", "aten::add", "net", "return x + self.offset")
+    assert {o.name: o.shape for o in d.operands} == {"x": (2, 4), "net.offset": (5,)}
+
+
+# -- dtypes and devices ------------------------------------------------------------------------
+def test_float_class_targets_and_float64_inputs(ip: Any) -> None:
+    d, _ = explain_cell(ip, "logits = torch.randn(4, 3)\ny = torch.tensor([0., 1., 2., 1.])\n"
+                            "loss = F.cross_entropy(logits, y)\n")
+    assert (d.kind, d.op, d.lineno) == ("dtype", "aten::cross_entropy_loss", 3)
+    assert "target.long()" in d.hint
+    d, _ = explain_cell(ip, "net = Gate()\nout = net(torch.zeros(2, 4, dtype=torch.float64))\n")
+    assert (d.kind, d.module) == ("dtype", "net.proj")
+    assert "float64" in d.hint and ".float()" in d.hint
+
+
+def test_device_mismatch_names_each_operands_device(ip: Any) -> None:
+    d, _ = explain_cell(ip, "net = Shift().to('meta')\nout = net(torch.zeros(2, 5))\n")
+    assert (d.kind, d.module, d.line) == ("device", "net", "return x + self.offset")
+    assert "`x` on cpu" in d.hint and "`net.offset` on meta" in d.hint
+
+
+# -- autograd --------------------------------------------------------------------------------------
+def test_inplace_by_a_module_names_saver_and_modifier(ip: Any) -> None:
+    d, _ = explain_cell(ip, "net = Gate(inplace_act=True)\nloss = net(torch.randn(3, 4)).sum()\nloss.backward()\n")
+    assert (d.kind, d.op, d.lineno) == ("inplace", "backward", 3)
+    assert (d.culprit_op, d.culprit_module) == ("relu(inplace=True)", "net.act")
+    assert d.culprit_lineno == setup_line("        return self.act(s)")
+    assert "`sigmoid` at line " + str(setup_line("        s = torch.sigmoid(self.proj(x))")) in d.hint
+
+
+def test_inplace_by_a_user_line(ip: Any) -> None:
+    d, _ = explain_cell(ip, "w = torch.randn(4, requires_grad=True)\nh = torch.exp(w)\nh += 1\n"
+                            "loss = h.sum()\nloss.backward()\n")
+    assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "add_", 3, "h += 1")
+    assert "`exp` at line 2" in d.hint
+
+
+def test_graph_reuse_names_the_line_that_made_the_old_graph(ip: Any) -> None:
+    body = ("w = torch.randn(3, requires_grad=True)\nfeats = torch.tanh(w * 2)\nfor step in range(3):\n"
+            "    loss = (feats * step).sum()\n    loss.backward()\n")
+    d, exc = explain_cell(ip, body)
+    assert "backward through the graph a second time" in str(exc)
+    assert (d.kind, d.lineno, d.culprit_op, d.culprit_lineno) == ("graph_reuse", 5, "tanh", 2)
+    assert "`feats = feats.detach()`" in d.hint
+
+
+def test_graph_reuse_of_a_hidden_state_carried_across_iterations(ip: Any) -> None:
+    body = ("cell = nn.Linear(4, 4)\nhidden = torch.zeros(1, 4)\nfor step in range(3):\n"
+            "    hidden = torch.tanh(cell(hidden))\n    loss = hidden.sum()\n    loss.backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, "hidden = torch.tanh(cell(hidden))")
+    assert "`hidden = hidden.detach()`" in d.hint
+
+
+@pytest.mark.parametrize("body,how,line", [
+    ("with torch.no_grad():\n    out = net(x)\nloss = out.sum()\nloss.backward()\n", "under no_grad", 2),
+    ("out = net(x).detach()\nloss = out.sum()\nloss.backward()\n", "detach", 1),
+    ("out = net(x).data\nloss = out.sum()\nloss.backward()\n", "data", 1),
+    ("loss = torch.tensor(net(x).sum().item())\nloss.backward()\n", "item", 1),
+])
+def test_no_grad_names_where_the_chain_was_cut(ip: Any, body: str, how: str, line: int) -> None:
+    ip.run_cell("net = Gate()\nx = torch.randn(2, 4)")
+    d, _ = explain_cell(ip, body)
+    assert d.kind == "no_grad" and d.op == "backward" and how in d.culprit_op
+    assert d.culprit_lineno == line
+    assert "requires_grad = True" in d.warning and "nothing trains" in d.warning and d.warning not in d.hint
+
+
+def test_no_grad_from_frozen_parameters(ip: Any) -> None:
+    ip.run_cell("net = Gate()\nfor p in net.parameters():\n    p.requires_grad_(False)")
+    d, _ = explain_cell(ip, "loss = net(torch.randn(2, 4)).sum()\nloss.backward()\n")
+    assert d.kind == "no_grad" and "`net` has `requires_grad=False`" in d.hint and "nothing trains" in d.warning
+
+
+# -- indices -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,op,value,size", [
+    ("emb = nn.Embedding(10, 4)\ntokens = torch.tensor([[1, 2, 10]])\nout = emb(tokens)\n", "aten::embedding", 10, 10),
+    ("logits = torch.randn(2, 3)\ny = torch.tensor([0, 5])\nloss = F.cross_entropy(logits, y)\n",
+     "aten::cross_entropy_loss", 5, 3),
+    ("data = torch.zeros(2, 3)\nidx = torch.tensor([[0], [4]])\nout = torch.gather(data, 1, idx)\n", "aten::gather", 4, 3),
+    ("data = torch.zeros(2, 3)\nidx = torch.tensor([7])\nout = torch.index_select(data, 1, idx)\n",
+     "aten::index_select", 7, 3),
+])
+def test_index_errors_name_the_value_and_the_size(ip: Any, body: str, op: str, value: int, size: int) -> None:
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.op, d.lineno) == ("index", op, 3)
+    assert f"holds {value}" in d.hint and f"only {size} " in d.hint
+
+
+def test_check_indices_stops_at_the_line_before_the_op(ip: Any) -> None:
+    from torch_nbdebug.api.explain import IndexCheckError
+
+    body = "emb = nn.Embedding(100, 8)\ntokens = torch.tensor([[1, 2, 100]])\nh = emb(tokens)\n"
+    d, exc = explain_cell(ip, body, "--check-indices")
+    assert isinstance(exc, IndexCheckError) and "index 100" in str(exc) and "position (0, 2)" in str(exc)
+    assert (d.kind, d.op, d.lineno, d.module) == ("index", "aten::embedding", 3, "emb")
+    assert "holds 100" in d.hint and "rows (num_embeddings)" in d.hint
+
+
+# -- exception identity, display under the traceback, post mortem, the automatic paragraph ------
+def test_user_exception_is_reraised_unchanged(ip: Any) -> None:
+    ip.user_ns["boom"] = RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+    with capture_output(), pytest.raises(RuntimeError) as info:
+        ip.run_cell_magic("explain", "", "x = 1\nraise boom\n")
+    assert info.value is ip.user_ns["boom"] and ip.user_ns["_explain"].kind == "shape"
+
+
+def test_card_is_displayed_under_the_traceback(ip: Any) -> None:
+    with capture_output() as cap:
+        result = ip.run_cell("%%explain\nx = torch.randn(2, 3, 32, 32)\nout = model(x)\n")
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert "mat1 and mat2 shapes cannot be multiplied" in cap.stdout  # the traceback came first
+    [data] = [o.data for o in cap.outputs]
+    assert 'class="tnd-explain tnd-explain-shape"' in data["text/html"] and "model.fc" in data["text/plain"]
+
+
+def test_post_mortem_line_magic_and_auto_paragraph(ip: Any) -> None:
+    with capture_output() as cap:
+        ip.run_cell("out = model(torch.randn(2, 3, 32, 32))")
+    [paragraph] = [o.data for o in cap.outputs]
+    assert paragraph["text/plain"].startswith("torch_nbdebug: shape mismatch at `model.fc`")
+    assert 'class="tnd-explain-auto"' in paragraph["text/html"]
+    result = ip.run_line_magic("explain", "-o")
+    assert isinstance(result, Diagnosis) and (result.kind, result.module) == ("shape", "model.fc")
+    assert not result.recorded
+
+
+def test_auto_paragraph_is_silent_for_other_errors_and_can_be_turned_off(ip: Any) -> None:
+    with capture_output() as cap:
+        ip.run_cell("int('seven')")
+    assert cap.outputs == [] and "ValueError" in cap.stdout
+    with capture_output():
+        ip.run_line_magic("explain", "--auto off")
+    with capture_output() as cap:
+        ip.run_cell("out = model(torch.randn(2, 3, 32, 32))")
+    assert cap.outputs == [] and "mat1 and mat2" in cap.stdout
+    with capture_output():
+        ip.run_line_magic("explain", "--auto on")
+
+
+def test_auto_paragraph_suggests_explain_for_inplace(ip: Any) -> None:
+    with capture_output() as cap:
+        ip.run_cell("net = Gate(inplace_act=True)\nnet(torch.randn(3, 4)).sum().backward()")
+    [paragraph] = [o.data for o in cap.outputs]
+    assert "in place" in paragraph["text/plain"] and "`net.act`" in paragraph["text/plain"]
+    assert "%%explain" in paragraph["text/plain"]
+
+
+def test_quiet_shows_nothing_and_post_mortem_keeps_the_recorded_culprit(ip: Any) -> None:
+    body = "net = Gate(inplace_act=True)\nloss = net(torch.randn(3, 4)).sum()\nloss.backward()\n"
+    with capture_output() as cap:
+        ip.run_cell("%%explain -q\n" + body)
+    assert cap.outputs == [] and "modified by an inplace operation" in cap.stdout
+    d = ip.run_line_magic("explain", "-o")
+    assert d.recorded and (d.kind, d.culprit_module) == ("inplace", "net.act")
+
+
+def test_numpy_round_trip_is_named_as_the_cut(ip: Any) -> None:
+    ip.run_cell("net = Gate()\nx = torch.randn(2, 4)")
+    d, _ = explain_cell(ip, "out = torch.from_numpy(net(x).detach().numpy())\nloss = out.sum()\nloss.backward()\n")
+    assert (d.kind, d.culprit_op, d.culprit_lineno) == ("no_grad", "detach", 1)
+
+
+def test_matmul_in_a_module_suggests_a_transpose(ip: Any) -> None:
+    ip.run_cell("class Attn(nn.Module):\n    def forward(self, q, k):\n        return q @ k\nattn = Attn()")
+    d, _ = explain_cell(ip, "out = attn(torch.randn(2, 5, 8), torch.randn(2, 5, 8))\n")
+    assert (d.kind, d.op, d.module, d.line) == ("shape", "aten::bmm", "attn", "return q @ k")
+    assert "transpose the last two dimensions" in d.hint
+    assert {o.name: o.shape for o in d.operands} == {"q": (2, 5, 8), "k": (2, 5, 8)}
+    ip.user_ns.pop("attn", None)
+    ip.user_ns.pop("Attn", None)
+
+
+def test_inplace_by_an_optimizer_step_between_two_backwards(ip: Any) -> None:
+    body = ("net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))\n"
+            "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+            "out = net(torch.randn(8, 4))\n"
+            "out.mean().backward(retain_graph=True)\n"
+            "opt.step()\n"
+            "(out ** 2).mean().backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "SGD.step", 5, "opt.step()")
+    assert "before `step()`" in d.hint
+    ip.user_ns.pop("opt", None)

@@ -1,0 +1,183 @@
+"""``with explain() as ex:`` and ``explain_exception(exc)``: say where and why a PyTorch error happened.
+
+``explain()`` records the block lightly (where autograd nodes were made, in-place ops, cut gradient
+chains) and, when the block raises, builds ``ex.diagnosis`` from the traceback and the recording; the
+exception passes through unchanged. ``explain_exception(exc)`` reads a caught exception post mortem
+(nothing is re-run) and returns a :class:`Diagnosis`, or None for an error that is not PyTorch's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+
+from torch_nbdebug.data.explain import Diagnosis as DiagnosisData
+from torch_nbdebug.data.explain import FailureFacts, Operand, Recording
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.process.explain import diagnose
+from torch_nbdebug.record.explain import ExplainRecorder
+from torch_nbdebug.record.explain_indices import IndexCheckError
+from torch_nbdebug.record.explain_trace import failure_facts
+from torch_nbdebug.record.source import UserNamespace, caller_namespace
+from torch_nbdebug.render.bundle import Displayable
+
+__all__ = ["explain", "explain_exception", "Diagnosis", "Explanation", "Operand", "IndexCheckError"]
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Diagnosis(DiagnosisData, Displayable):
+    """What went wrong, where, the culprit and the fix. Shown as text, a static HTML card and a live widget."""
+
+    @classmethod
+    def of(cls, data: DiagnosisData) -> "Diagnosis":
+        return cls(**{f.name: getattr(data, f.name) for f in dataclasses.fields(data)})
+
+    def text(self) -> str:
+        from torch_nbdebug.render.explain import diagnosis_text
+
+        return diagnosis_text(self)
+
+    def html(self) -> str:
+        from torch_nbdebug.render.explain import diagnosis_html
+
+        return diagnosis_html(self)
+
+    def widget(self) -> Any:
+        from torch_nbdebug.render.explain import ExplainView
+
+        return ExplainView.of(self)
+
+    def paragraph(self) -> "Paragraph":
+        """The one-paragraph form shown under a traceback by the automatic explanation."""
+        return Paragraph(self)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+
+class Paragraph(Displayable):
+    """A diagnosis as one paragraph (text and HTML)."""
+
+    def __init__(self, diagnosis: Diagnosis) -> None:
+        self.diagnosis = diagnosis
+
+    def text(self) -> str:
+        from torch_nbdebug.render.explain import paragraph_text
+
+        return paragraph_text(self.diagnosis)
+
+    def html(self) -> str:
+        from torch_nbdebug.render.explain import paragraph_html
+
+        return paragraph_html(self.diagnosis)
+
+
+class Explanation(Displayable):
+    """The result of ``with explain() as ex:``: ``ex.diagnosis`` is set when the block raised a PyTorch error."""
+
+    def __init__(self) -> None:
+        self.diagnosis: Optional[Diagnosis] = None
+        self.raised: Optional[str] = None  # the exception's type name, when the block raised
+        self.finished = False
+
+    def text(self) -> str:
+        if self.diagnosis is not None:
+            return self.diagnosis.text()
+        if self.raised:
+            return f"explain: {self.raised} is not a PyTorch error; nothing to add"
+        return "explain: the code ran without an error" if self.finished else "explain: still running"
+
+    def html(self) -> str:
+        if self.diagnosis is not None:
+            return self.diagnosis.html()
+        from torch_nbdebug.render.html import esc
+
+        return f'<div class="tnd-explain-none" style="font-family:sans-serif;color:#555">{esc(self.text())}</div>'
+
+    def widget(self) -> Any:
+        return self.diagnosis.widget() if self.diagnosis is not None else None
+
+
+class ExplainScope:
+    """The context manager returned by :func:`explain`."""
+
+    def __init__(self, namespace: UserNamespace, check_indices: bool) -> None:
+        # The caller's locals and globals (or the given namespace), read live when they are needed: a
+        # model created inside the block is named too, and a function's locals are not kept alive.
+        self._namespace = namespace
+        self.result = Explanation()
+        self._recorder = ExplainRecorder(namespace, check_indices=check_indices)
+
+    def __enter__(self) -> Explanation:
+        self._recorder.start()
+        return self.result
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+        try:
+            self._recorder.stop()
+            if isinstance(exc, Exception):
+                self.result.raised = type(exc).__name__
+                self.result.diagnosis = _safe_diagnosis(exc, self._namespace, self._recorder)
+        finally:
+            self._recorder.clear()
+            self.result.finished = True
+            self._namespace.release()  # keep neither the caller's frame nor its locals
+        return False
+
+
+def _safe_diagnosis(exc: BaseException, namespace: Optional[Mapping[str, Any]],
+                    recorder: Optional[ExplainRecorder]) -> Optional[Diagnosis]:
+    """Never let explaining replace the user's exception: our own failure gives no diagnosis."""
+    try:
+        before = recorder.old_graph_before() if recorder is not None else None
+        root = recorder.backward_root() if recorder is not None else None
+        names = dict(namespace.items()) if namespace is not None else None
+        facts: FailureFacts = failure_facts(exc, names, before, root)
+        del root, names
+        recording: Optional[Recording] = None
+        if recorder is not None:
+            wanted = tuple(seq for _, seq in facts.freed_nodes) + tuple(o.node_seq for o in facts.operands)
+            recording = recorder.recording(wanted)
+            facts = dataclasses.replace(facts, operands=tuple(_producer(o, recording) for o in facts.operands))
+        data = diagnose(facts, recording)
+    except Exception:  # noqa: BLE001 - an explanation is a bonus; the user's error must stay theirs
+        return None
+    return Diagnosis.of(data) if data is not None else None
+
+
+def _producer(operand: Operand, recording: Recording) -> Operand:
+    """Name the module and line that made an operand, where the recording saw it made."""
+    site = recording.site_of(operand.node_seq) if operand.node_seq >= 0 else None
+    if site is None:
+        return operand
+    where = f"{site.op} in {site.module}" if site.module else site.op
+    return dataclasses.replace(operand, producer=f"{where}, line {site.lineno}" if site.lineno else where)
+
+
+def explain(*, check_indices: bool = False, namespace: Optional[Mapping[str, Any]] = None) -> ExplainScope:
+    """Record the block lightly; if it raises a PyTorch error, ``ex.diagnosis`` explains it.
+
+    ``with explain() as ex: ...`` — the exception passes through unchanged; catch it outside the
+    block and read ``ex.diagnosis`` (kind, op, module, line, culprit, operands, hint).
+    check_indices: validate index arguments (embedding ids, class targets, gather/index_select
+    indices) before each op runs, so an out-of-range index stops at its line with the value instead of
+    a CUDA device-side assert. namespace: where to find the names of models (default: the caller's).
+    """
+    if not isinstance(check_indices, bool):
+        raise InputError(f"explain: check_indices must be True or False, not {check_indices!r}")
+    if namespace is not None and not isinstance(namespace, Mapping):
+        raise InputError(f"explain: namespace must be a mapping of names to objects (like globals()), "
+                         f"not {type(namespace).__name__}")
+    return ExplainScope(caller_namespace(namespace), check_indices)
+
+
+def explain_exception(exc: BaseException, namespace: Optional[Mapping[str, Any]] = None) -> Optional[Diagnosis]:
+    """Explain a caught exception post mortem, from its traceback; None when it is not a PyTorch error.
+
+    namespace: where to find model names (default: the globals of the innermost user frame).
+    """
+    if not isinstance(exc, BaseException):
+        raise InputError(f"explain_exception needs an exception object (e.g. `except Exception as e: "
+                         f"explain_exception(e)`), not {type(exc).__name__}")
+    return _safe_diagnosis(exc, namespace, None)

@@ -1,0 +1,88 @@
+"""``%%repro``: run the cell twice from the same state and say whether, where and why the runs differ."""
+from __future__ import annotations
+
+import ast
+from typing import Any, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from torch_nbdebug.api.repro import ReproReport, last_report, run_twice
+from torch_nbdebug.errors import InputError
+from torch_nbdebug.magics._common import parse_args, require_body, run_body, usage_errors
+
+
+@magics_class
+class ReproMagics(Magics):
+    @magic_arguments()
+    @argument("--no-restore-rng", action="store_true",
+              help="do not restore the random generators before the second run (find unseeded randomness)")
+    @argument("-o", dest="return_report", action="store_true",
+              help="return the report object (it is also stored as _repro)")
+    @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _repro)")
+    @line_cell_magic
+    def repro(self, line: str, cell: Optional[str] = None) -> Any:
+        """Run the cell twice from the same starting state and report whether the two runs agree.
+
+        Before each run the state is restored: the modules, optimizers, LR schedulers, GradScalers,
+        tensors, torch.Generators and DataLoaders in the namespace (parameters, buffers, gradients,
+        optimizer state), the names the cell rebinds, and the random generators (torch CPU and CUDA,
+        NumPy, Python ``random``) unless --no-restore-rng. Afterwards the state is as if the cell had
+        run once: an optimizer stepped in the cell has stepped once per step. Side effects outside
+        torch (prints, files, appends to Python lists) happen twice.
+
+        If the runs differ, the report names the first op whose output differs although its inputs
+        agreed (or whose input came from outside torch): op, module, line, phase, size of the
+        difference, and the cause - rng, uninitialized, external, nondeterministic_op or unknown -
+        with the fix, the ops PyTorch lists as nondeterministic on the device, and a preflight of the
+        determinism settings. Stored as ``_repro``; ``%repro`` alone shows the last report again.
+        Python twin: ``torch_nbdebug.repro(fn, state=(model, opt), restore_rng=True)``.
+        """
+        args = parse_args(self.repro, line)
+        if cell is None:
+            return self._show_last(args)
+        body = require_body(cell, "repro")
+        _check_syntax(self.shell, body)
+        failed, previous = True, last_report()
+        report: Optional[ReproReport] = None
+        try:
+            report, value = run_twice(lambda: run_body(self.shell, body), restore_rng=not args.no_restore_rng,
+                                      namespace=self.shell.user_ns)
+            failed = False
+        except InputError as exc:
+            raise usage_errors(exc) from None
+        finally:
+            report = report or last_report()
+            if report is not None and report is not previous:
+                self.shell.user_ns["_repro"] = report
+                if not args.quiet and (failed or not args.return_report):
+                    display(report)
+        if value is not None:
+            display(value)
+        return report if args.return_report else None
+
+    def _show_last(self, args: Any) -> Any:
+        report = last_report()
+        if report is None:
+            raise UsageError("%repro: no report yet. Put %%repro (two %) on the first line of a cell to run "
+                             "that cell twice and compare")
+        if args.return_report:
+            return report
+        display(report)
+        return None
+
+
+def _check_syntax(shell: Any, body: str) -> None:
+    """A syntax error (or a cell of comments) is reported before anything runs."""
+    try:
+        tree = ast.parse(shell.transform_cell(body))
+    except SyntaxError as exc:
+        raise UsageError(f"%%repro: the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    if not tree.body:
+        raise UsageError("%%repro: the cell has no code to run (only comments): put the code to compare "
+                         "under the %%repro line")
+
+
+MAGICS = ReproMagics

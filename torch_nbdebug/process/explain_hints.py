@@ -1,0 +1,322 @@
+"""The cause and the fix, per message family: each function reads the regex match, the failure facts
+and (after a ``%%explain`` run) the recording, and returns the diagnosis fields it can fill."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from torch_nbdebug.data.explain import (CutEvent, FailureFacts, InplaceEvent, OpSite, Operand, OptimizerStep,
+                                        Recording)
+
+Fields = dict[str, object]
+REQUIRES_GRAD_WARNING = ("Do not 'fix' it with `loss.requires_grad = True` (or `requires_grad_()`): the error "
+                         "goes away but no gradient reaches the model's parameters, so nothing trains.")
+
+
+def _in(facts: FailureFacts) -> str:
+    return f" in `{facts.module}`" if facts.module else ""
+
+
+def _dims(text: str) -> list[int]:
+    return [int(t) for t in re.findall(r"-?\d+", text)]
+
+
+def _sizes(shape: Optional[tuple[int, ...]]) -> str:
+    return "×".join(str(s) for s in shape) if shape else "?"
+
+
+def culprit_fields(site: Optional[OpSite]) -> Fields:
+    """The culprit fields of a diagnosis, from where the culprit ran."""
+    if site is None:
+        return {}
+    return {"culprit_op": site.op, "culprit_module": site.module, "culprit_lineno": site.lineno,
+            "culprit_line": site.line, "culprit_filename": site.filename}
+
+
+def _where(site: OpSite) -> str:
+    text = f"line {site.lineno}" if site.lineno else "an unknown line"
+    if site.line:
+        text += f" (`{site.line}`)"
+    return text + (f" in `{site.module}`" if site.module else "")
+
+
+# -- shapes ------------------------------------------------------------------------------------
+def matmul_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    rows, got, expected, out = (int(g) for g in m.groups()) if len(m.groups()) == 4 else (1, *map(int, m.groups()))
+    if facts.module_type not in ("Linear", "LazyLinear", "Bilinear"):
+        return {"summary": f"matrix product with inner sizes {got} and {expected}{_in(facts)}",
+                "hint": f"the left operand has {got} columns, the right one {expected} rows ({rows}×{got} @ "
+                        f"{expected}×{out}): they must be equal. Check which operand needs a transpose "
+                        f"(`.transpose(-2, -1)`) or a reshape."}
+    summary = f"`{facts.module}` expects {expected} input features but gets {got}"
+    return {"summary": summary, "hint": summary + _feature_cause(facts, got, expected) +
+            f": resize the inputs to the size the model was built for, or set `in_features={got}` in "
+            f"`{facts.module}`, or use `nn.LazyLinear` (or adaptive pooling such as `nn.AdaptiveAvgPool2d` "
+            f"before flattening) so it adapts to the input size."}
+
+
+def bmm_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    batch, inner, got_batch, got_inner = (int(g) for g in m.groups())
+    shapes = " @ ".join(f"`{o.name}` {_sizes(o.shape)}" for o in facts.operands[:2])
+    if got_batch != batch:
+        problem = f"the batch sizes differ ({batch} and {got_batch})"
+    else:
+        problem = f"the left operand's last dimension is {inner}, the right one's rows are {got_inner}"
+    summary = f"batched matrix product{_in(facts)}: {problem}"
+    return {"summary": summary, "hint": f"{summary}{' (' + shapes + ')' if shapes else ''}. For `a @ b` the "
+            "last dimension of `a` must equal the second-to-last of `b`: transpose the last two dimensions "
+            "(`b.transpose(-2, -1)`), not the first two."}
+
+
+def _feature_cause(facts: FailureFacts, got: int, expected: int) -> str:
+    shape = facts.model_input
+    if not facts.model_has_conv or shape is None or len(shape) < 3:
+        return ""
+    side = math.sqrt(got / expected) if expected else 0.0
+    size = "larger" if got > expected else "smaller"
+    return (f"; the layers before it give {got} features for {_sizes(shape[-2:])} inputs, so the images are "
+            f"about {max(side, 1 / side if side else 0):.3g}× {size} per side than the model was built for")
+
+
+def conv_channels_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    weight, given, want, got = _dims(m.group(1)), _dims(m.group(2)), int(m.group(3)), int(m.group(4))
+    summary = f"`{facts.module or 'the convolution'}` expects {want} input channels, the input has {got}"
+    extra = " (grayscale images into an RGB model?)" if (want, got) == (3, 1) else ""
+    layout = ("; the input looks channels-last (N, H, W, C): use `x.permute(0, 3, 1, 2)`"
+              if len(given) == 4 and given[-1] == want else "")
+    return {"summary": summary, "hint": f"{summary}{extra}: input {_sizes(tuple(given))}, weight "
+            f"{_sizes(tuple(weight))}{layout}. Set `in_channels={got}` or convert the input to {want} channels."}
+
+
+def conv_rank_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    size = _dims(m.group(4))
+    summary = f"{m.group(3)} needs a {m.group(2)} (batched) input, got shape [{', '.join(map(str, size))}]"
+    return {"summary": summary + _in(facts), "hint": summary + ": add the missing batch/channel dimensions "
+            "(`x.unsqueeze(0)` for one image, `x.unsqueeze(1)` for a batch of single-channel images)."}
+
+
+def cat_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    dim, want, got, which = (int(g) for g in m.groups())
+    summary = f"cat along dimension {dim}: tensor {which} differs from the first in another dimension"
+    return {"summary": summary + _in(facts), "hint": f"{summary} (size {got}, expected {want}). All tensors "
+            f"must have the same size in every dimension except {dim}: check the `dim=` argument and the "
+            "shapes of the operands below (a missing batch dimension or a wrong sequence length)."}
+
+
+def view_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    if not m.groups():
+        return {"summary": "view() of a non-contiguous tensor" + _in(facts),
+                "hint": "the tensor is not contiguous (after a transpose/permute/expand), so `.view()` cannot "
+                        "reinterpret it: use `.reshape(...)` or `.contiguous().view(...)`."}
+    shape, numel = _dims(m.group(1)), int(m.group(2))
+    want = math.prod(s for s in shape if s != -1)
+    summary = f"view to {list(shape)} ({want} elements) of a tensor with {numel} elements"
+    return {"summary": summary + _in(facts), "hint": f"{summary}: the element counts must match. Keep the batch "
+            "dimension and let one dimension be -1 (`x.view(x.size(0), -1)`), and check which dimension "
+            "changed (batch size, sequence length or image size)."}
+
+
+def broadcast_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    groups = [int(g) for g in m.groups()]
+    if len(groups) == 2:
+        summary = f"the input has batch size {groups[0]} but the target {groups[1]}"
+        return {"summary": summary, "hint": summary + ": inputs and targets come from different batches, or a "
+                "reshape merged dimensions (flatten logits to (N, C) and targets to (N,) together)."}
+    a, b, dim = groups
+    shapes = ", ".join(f"`{o.name}` {_sizes(o.shape)}" for o in facts.operands[:3])
+    summary = f"shapes do not broadcast: size {a} against {b} at dimension {dim}"
+    return {"summary": summary + _in(facts), "hint": f"{summary}{' (' + shapes + ')' if shapes else ''}. "
+            "Broadcasting aligns shapes from the right; each pair of sizes must be equal or 1. Add the "
+            "missing dimension with `unsqueeze`, or fix the operand with the wrong size."}
+
+
+# -- dtypes and devices --------------------------------------------------------------------------
+def target_dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    got = next((g for g in m.groups() if g), "Float")
+    summary = f"class targets are {got}, the loss needs integer class indices (Long)"
+    return {"summary": summary + _in(facts), "hint": f"{summary}: `cross_entropy`/`nll_loss` read targets "
+            "of shape (N,) as class indices. Use `target.long()`; if they are class probabilities, they must "
+            "have the logits' shape (N, C) and a float dtype."}
+
+
+def dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    dtypes = sorted({o.dtype for o in facts.operands})
+    named = ", ".join(f"`{o.name}` is {o.dtype}" for o in facts.operands[:4])
+    double = any(d == "float64" for d in dtypes) or "Double" in facts.message or "double" in facts.message
+    fix = ("the float64 one most likely comes from numpy (its default): convert it with `.float()` "
+           "(or `torch.from_numpy(a).float()`), or build the model in float64 with `model.double()`"
+           if double else "convert one operand with `.to(other.dtype)`")
+    summary = f"operands of different dtypes{_in(facts)}"
+    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. {fix[0].upper()}{fix[1:]}."}
+
+
+def device_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    by_device: dict[str, list[str]] = {}
+    for o in facts.operands:
+        by_device.setdefault(o.device, []).append(f"`{o.name}`")
+    named = "; ".join(f"{', '.join(v)} on {k}" for k, v in by_device.items())
+    summary = f"operands on different devices{_in(facts)}"
+    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. Move the model once "
+            "(`model.to(device)`), move every batch (`x = x.to(device)`), and create new tensors inside "
+            "`forward` with `device=x.device`."}
+
+
+# -- indices -----------------------------------------------------------------------------------
+def index_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    if "device-side assert" in m.group(0):
+        return {"summary": "CUDA device-side assert (most often an index out of range)", "restart_needed": True,
+                "hint": "a kernel failed an assertion, usually an index (embedding token id, class target, "
+                "gather/index_select index) out of range. The CUDA context is now unusable: restart the "
+                "kernel, then run the failing cell with `%%explain --check-indices` on its first line: it "
+                "checks index arguments before they reach CUDA ops, so the run stops at the right line with "
+                "the bad value, before the assert. (Or reproduce on the CPU, or set CUDA_LAUNCH_BLOCKING=1.)"}
+    value, size = _index_numbers(m, facts)
+    op = f"aten::{m.group(2)}" if "is out of range for" in m.group(0) else _op_of(facts)
+    what = {"aten::embedding": "rows (num_embeddings)", "aten::nll_loss": "classes",
+            "aten::cross_entropy_loss": "classes", "aten::cross_entropy": "classes"}.get(op, "entries")
+    named = next((o.name for o in facts.operands if o.dtype.startswith(("int", "uint"))), "")
+    index = f"`{named}`" if named else "an index"
+    if value is None:
+        summary = f"index out of range{_in(facts)}"
+    else:
+        summary = f"{index} holds {value}, but{' `' + facts.module + '`' if facts.module else ' it'} has only " \
+                  f"{size} {what} (valid 0..{size - 1 if size is not None else '?'})"
+    fix = ("labels are probably 1-based or there are more classes than outputs: use 0-based labels "
+           "(`y - 1`) or raise the number of outputs" if "classes" in what else
+           "the vocabulary grew (a special token added to the tokenizer but not to the embedding: "
+           "`model.resize_token_embeddings` or a larger `num_embeddings`), or the ids come from another "
+           "tokenizer" if "rows" in what else "clamp or filter the indices, or check the `dim=`")
+    return {"summary": summary, "hint": f"{summary}: {fix}. On CUDA this is a device-side assert; "
+            "`%%explain --check-indices` catches it before the kernel runs."}
+
+
+def _op_of(facts: FailureFacts) -> str:
+    return {"embedding": "aten::embedding", "cross_entropy": "aten::cross_entropy_loss",
+            "cross_entropy_loss": "aten::cross_entropy_loss", "nll_loss": "aten::nll_loss",
+            "nll_loss_nd": "aten::nll_loss"}.get(facts.call, "")
+
+
+def _index_numbers(m: "re.Match[str]", facts: FailureFacts) -> tuple[Optional[int], Optional[int]]:
+    nums = [int(g) for g in m.groups() if g is not None and g.lstrip("-").isdigit()]
+    text = m.group(0)
+    if text.startswith("index") and "for dimension" in text and len(nums) == 3:
+        return nums[0], nums[2]
+    if (text.startswith("INDICES") or "is out of range for" in text) and len(nums) == 2:
+        return nums[0], nums[1]
+    if text.startswith("Target") and nums:
+        return nums[0], facts.index_size
+    return facts.index_value, facts.index_size
+
+
+# -- autograd ----------------------------------------------------------------------------------
+def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    shape, node, version = tuple(_dims(m.group(1))), m.group(3), int(m.group(4))
+    event = _modifier(rec, node, version, shape) if rec is not None else None
+    saved = f"the output of {node} ({_sizes(shape)})"
+    never = ("use the out-of-place form (`x = x + 1` for `x += 1`, `torch.relu(x)` for `x.relu_()`, "
+             "`nn.ReLU()` without `inplace=True`), or modify a `.clone()`")
+    step = _optimizer_step(rec, shape) if event is None and rec is not None else None
+    if step is not None:
+        by = f"`{step.site.op}()` at {_where(step.site)}"
+        return {**culprit_fields(step.site),
+                "summary": f"{by} updated a parameter in place that this backward still needs",
+                "hint": f"{saved} is a parameter (or a view of one) saved by the forward pass; {by} updated "
+                        f"the parameters in place before this backward ran (version {version}). Call "
+                        "backward() for every loss of that forward before `step()` (sum the losses, or "
+                        "order them), or run the forward again after the step."}
+    if event is None:
+        mods = ", ".join(f"`{n}`" for n in facts.inplace_modules)
+        guess = f" Modules of this model that work in place: {mods}." if mods else ""
+        return {"summary": f"{saved} was saved for backward, then modified in place",
+                "suggest_record": True,
+                "hint": f"{saved} was saved for backward and later modified in place (version {version}).{guess} "
+                        f"Run the cell with `%%explain` to name the op and line that modified it; then {never}."}
+    saver = rec.site_of(event.node_seq) if rec is not None else None
+    by = f"`{event.site.op}` at {_where(event.site)}"
+    made = f"`{saver.op}` at {_where(saver)}" if saver is not None else f"{node}"
+    return {**culprit_fields(event.site),
+            "summary": f"{by} modified the output of {made} in place after it was saved for backward",
+            "hint": f"{made} made a tensor that backward needs; {by} modified it in place (version "
+                    f"{event.version}). Fix: {never}."}
+
+
+def _optimizer_step(rec: Recording, shape: tuple[int, ...]) -> Optional[OptimizerStep]:
+    """The last optimizer step that updated a parameter of this shape (or of its transpose)."""
+    wanted = {shape, tuple(reversed(shape))}
+    return next((s for s in reversed(rec.steps) if wanted & set(s.shapes)), None)
+
+
+def _modifier(rec: Recording, node: str, version: int, shape: tuple[int, ...]) -> Optional[InplaceEvent]:
+    name = re.sub(r"Backward\d*$", "", node)
+    found = [e for e in rec.inplace if re.sub(r"Backward\d*$", "", e.node) == name and e.version == version]
+    exact = [e for e in found if e.shape == shape] or found
+    return exact[-1] if exact else None
+
+
+def graph_reuse(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    old = facts.freed_nodes[0] if facts.freed_nodes else None
+    site = rec.site_of(old[1]) if rec is not None and old is not None else None
+    root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
+    fix = ("Detach the tensor where it is carried over (e.g. `h = h.detach()` before the next iteration), or "
+           "compute it inside the loop. `retain_graph=True` only hides this, and keeps every old graph alive.")
+    if site is None:
+        return {"summary": f"{root} reaches a graph that an earlier backward() already freed",
+                "suggest_record": True,
+                "hint": f"a tensor computed before the previous backward() (a hidden state, a running sum, "
+                        f"features computed once outside the loop) is used again, so {root}'s graph runs into "
+                        f"the old, freed one. {fix}"}
+    made = f"`{site.op}` at {_where(site)}"
+    carried = assigned_name(site.line)
+    held = f" (`{carried}`)" if carried else ""
+    return {**culprit_fields(site),
+            "summary": f"{root} reuses the graph made by {made} before the previous backward()",
+            "hint": f"the tensor{held} made by {made} was built before the previous backward(), which freed "
+                    f"its graph, and {root} depends on it again. {fix.replace('`h = h.detach()`', f'`{carried} = {carried}.detach()`') if carried else fix}"}
+
+
+def assigned_name(line: str) -> str:
+    """The variable a line assigns: ``h = torch.tanh(x)`` -> ``h``; '' when it assigns none."""
+    match = re.match(r"\s*([A-Za-z_][\w.]*)\s*(?:=|\+=|-=|\*=)(?!=)", line)
+    return match.group(1) if match else ""
+
+
+_CUT_TEXT = {"no_grad": "ran under `torch.no_grad()`/`inference_mode()`", "detach": "`.detach()` cut the chain",
+             "data": "`.data` cut the chain", "item": "`.item()` made a Python number",
+             "numpy": "`.numpy()` left autograd", "tolist": "`.tolist()` made Python numbers"}
+
+
+def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
+    cut = _cut(rec)
+    frozen = ", ".join(f"`{f}`" for f in facts.frozen_models)
+    if cut is not None:
+        where = _where(cut.site)
+        also = f" Also, no parameter of {frozen} requires grad." if frozen else ""
+        return {**culprit_fields(cut.site),
+                "summary": f"the gradient chain to {root} was cut at {where}",
+                "hint": f"{root} does not depend on any parameter through autograd: at {where}, "
+                        f"{_CUT_TEXT[cut.how]}. Compute the loss from the model's output without breaking "
+                        f"the chain (no `torch.no_grad()` around the forward pass, no `.detach()`/`.data`, "
+                        f"stay in torch instead of `.item()`/numpy).{also}",
+                "warning": REQUIRES_GRAD_WARNING}
+    cause = (f"every parameter of {frozen} has `requires_grad=False` (unfreeze with "
+             f"`p.requires_grad_(True)`)" if frozen else
+             "it was computed under `torch.no_grad()`, after `.detach()`/`.data`, or rebuilt from "
+             "`.item()`/numpy values")
+    return {"summary": f"{root} does not require grad: the gradient chain was cut",
+            "suggest_record": not frozen,
+            "hint": f"{root} has no grad_fn: {cause}."
+                    f"{'' if frozen else ' Run the cell with `%%explain` to find the line where the chain was cut.'}",
+            "warning": REQUIRES_GRAD_WARNING}
+
+
+def _cut(rec: Optional[Recording]) -> Optional[CutEvent]:
+    if rec is None or not rec.cuts:
+        return None
+    strong = [c for c in rec.cuts if c.how in ("no_grad", "detach", "data")]
+    return (strong or list(rec.cuts))[-1]
+
+
+def operand_list(operands: tuple[Operand, ...]) -> str:
+    return "; ".join(o.describe() for o in operands)

@@ -1,0 +1,181 @@
+"""Known causes (:data:`~torch_nbdebug.data.nanwatch.Cause`): the rules that recognise them from an
+event's fields, and one hint per cause written from those fields. Never from ``detail`` (prose)."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from torch_nbdebug.data.nanwatch import Cause, NanEvent
+from torch_nbdebug.data.stats import TensorStats
+
+
+def base_op(op: str) -> str:
+    """``aten.log.default`` -> ``log``; ``SqrtBackward0`` -> ``sqrt``; ``aten.add_.Tensor`` -> ``add``."""
+    if op.endswith("Backward0") or op.endswith("Backward1"):
+        return op[: -len("Backward0")].lower()
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+    return name.rstrip("_").lstrip("_")
+
+
+def cause_of(event: NanEvent, absorbed_ops: Sequence[str] = ()) -> Optional[Cause]:
+    """The cause the recorder set, else the first rule that matches (None: unknown)."""
+    if event.cause is not None:
+        return event.cause
+    thrown = event.absorbed_forward or (event.forward_op is not None and event.forward_op in absorbed_ops)
+    if event.phase == "backward" and thrown:
+        return "where_trap"
+    name = base_op(event.op)
+    return next((cause for cause, rule in RULES if rule(event, name)), None)
+
+
+_DOMAIN_EDGE = ("sqrt", "rsqrt", "log", "log2", "log10", "pow")
+_NOT_OVERFLOW = ("sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "acos", "asin", "atanh")
+_ROW_REDUCTIONS = ("logsumexp", "softmax", "log_softmax")
+_SPECTRAL = ("LinalgEighBackward", "LinalgSvdBackward", "SvdBackward", "LinalgEigBackward", "SymeigBackward")
+_SMALLEST = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}  # below these a constant rounds to 0
+
+
+def _probabilities(stats: Sequence[TensorStats]) -> bool:
+    """Zeros in values within [0, 1]: probabilities (a softmax that underflowed, a one-hot target)."""
+    return any(s.zeros and s.min is not None and s.min >= 0 and s.max is not None and s.max <= 1 for s in stats)
+
+
+def _masked_row_rule(e: NanEvent, name: str) -> bool:
+    masked = any(s.neg_inf for s in e.inputs) and not any(s.nan for s in e.inputs)
+    return name in _ROW_REDUCTIONS and masked and (e.kind == "nan" or e.phase == "backward")
+
+
+def _adam_eps_rule(e: NanEvent, name: str) -> bool:
+    tiny = _SMALLEST.get(e.output.dtype, 0.0) if e.output is not None else 0.0
+    return e.phase == "optimizer" and e.op.startswith(("Adam", "NAdam", "RAdam")) and \
+        e.eps is not None and 0 < e.eps < tiny
+
+
+# In order: the first match names the cause. An overflow after the learning rate grew comes last, so
+# that a log of zero or a CTC loss keeps its own cause.
+RULES: tuple[tuple[Cause, Callable[[NanEvent, str], bool]], ...] = (
+    ("ctc_target_too_long", lambda e, name: "ctc" in name and e.kind == "inf" and e.phase == "forward"),
+    ("clamp_at_domain_edge", lambda e, name: name in _DOMAIN_EDGE and (e.input_op or "").startswith("Clamp")),
+    ("all_masked_row", _masked_row_rule),
+    ("log_of_zero_probability", lambda e, name: name in ("log", "log2", "log10") and e.kind == "inf"
+     and e.phase == "forward" and _probabilities(e.inputs[:1])),
+    ("adam_eps_underflow", _adam_eps_rule),
+    ("repeated_eigenvalues", lambda e, name: e.phase == "backward" and (e.node_name or e.op).startswith(_SPECTRAL)),
+    ("lr_growth", lambda e, name: e.lr_step is not None and e.kind == "inf" and name not in _NOT_OVERFLOW),
+)
+
+
+def _fwd(event: NanEvent) -> str:
+    return f" (created by {event.forward_op} at line {event.forward_lineno})" if event.forward_op else ""
+
+
+def _parameter(event: NanEvent) -> str:
+    return (f"A non-finite parameter {event.param} already held NaN/Inf before this code ran: an earlier "
+            "training step diverged. Reload a checkpoint or re-initialise the model, then watch the "
+            "training loop to find the step where it was born.")
+
+
+def _buffer(event: NanEvent) -> str:
+    name = event.param or "a buffer"
+    if name.rsplit(".", 1)[-1] in ("running_mean", "running_var"):
+        return (f"The BatchNorm running statistics {name} already held NaN/Inf: BatchNorm updates them from "
+                "every training batch, so an earlier batch with NaN/Inf (or one whose variance overflowed) "
+                "poisoned them, and eval mode now uses them. Call reset_running_stats() on that module (or "
+                "reload a checkpoint) and watch the training loop to find the batch.")
+    return (f"The buffer {name} already held NaN/Inf before this code ran: the code that last wrote it (an "
+            "earlier step, a buffer update) made it. Re-initialise it and watch the code that updates it.")
+
+
+def _input_data(event: NanEvent) -> str:
+    return ("The data coming in already holds NaN/Inf, before any op made one: check the dataset or "
+            "preprocessing (e.g. assert torch.isfinite(x).all() when loading), or clean it with "
+            "torch.nan_to_num. This op only consumed it.")
+
+
+def _scaler(event: NanEvent) -> str:
+    return ("GradScaler saw this overflow, skipped the optimizer step and lowered the loss scale: expected "
+            "now and then with float16 (it is how the scale is calibrated). Only a concern when most "
+            "steps are skipped: then find why the gradients overflow even at a small scale.")
+
+
+def _user_backward(event: NanEvent) -> str:
+    op = (event.aten_op or "").split(".")
+    name = op[1] if len(op) > 1 and op[0] == "aten" else "an op"
+    return (f"Your own backward code made this gradient {event.kind.upper()} at line {event.lineno} "
+            f"({name} on finite values): a custom autograd.Function.backward or a gradient hook. Guard its "
+            "divisions and logs (add eps, clamp) or check its formula with torch.autograd.gradcheck.")
+
+
+def _where_trap(event: NanEvent) -> str:
+    return ("The torch.where trap: the forward threw the bad branch away, but its gradient is still "
+            f"computed: {event.op}{_fwd(event)} gives NaN at the masked positions. Make the unused branch "
+            "safe instead, e.g. torch.log(torch.where(mask, x, 1.0)) inside the where.")
+
+
+def _lr_growth(event: NanEvent) -> str:
+    lr = f"{event.lr:.4g}" if event.lr is not None else "?"
+    what = ("the update overflowed" if event.phase == "optimizer" else
+            "the weights grew so large that this op overflowed")
+    return (f"The learning rate grew to lr={lr} (optimizer step {event.lr_step}) and {what} in iteration "
+            f"{event.iteration}: check the scheduler (a warmup or multiplicative schedule without a cap) and "
+            "lower the learning rate; clip gradients (torch.nn.utils.clip_grad_norm_).")
+
+
+def _ctc(event: NanEvent) -> str:
+    return ("CTC loss is infinite when a target is longer than its input sequence (more labels, plus one "
+            "blank between repeats, than time steps): no alignment exists. Check input_lengths against "
+            "target_lengths, or pass zero_infinity=True to drop those samples' loss and gradient.")
+
+
+def _clamp(event: NanEvent) -> str:
+    op = event.forward_op if event.phase == "backward" and event.forward_op else event.op
+    name = op.split(".")[1] if op.startswith("aten.") else op
+    what = (f"the value is finite there but {name}'s gradient at 0 is infinite, and clamp passes it on"
+            if event.phase == "backward" else f"{name}(0) is infinite (and so is its gradient)")
+    return (f"The input of {name} was clamped to exactly 0 ({event.input_op}), not replaced with torch.where: "
+            f"{what}{_fwd(event)}. Clamp to a small positive eps instead (x.clamp_min(1e-12)), or add eps inside.")
+
+
+def _masked_row(event: NanEvent) -> str:
+    if event.phase == "backward":
+        return ("logsumexp/softmax over a row that is entirely -inf: the forward was not finite there (-inf, "
+                f"or NaN), and its gradient is NaN{_fwd(event)}. Keep at least one unmasked position per row, "
+                "or mask with a large negative number (torch.finfo(dtype).min) instead of -inf.")
+    return ("softmax over a row that is entirely -inf (fully masked) gives NaN: make sure every row keeps "
+            "at least one unmasked position, or use a large negative number instead of -inf.")
+
+
+def _log_zero(event: NanEvent) -> str:
+    return ("log of zero probabilities gives -inf (a softmax that underflowed, a target with zeros): for "
+            "kl_div pass log-probabilities from F.log_softmax (not probs.log()), or use "
+            "torch.log(p.clamp_min(eps)) / torch.xlogy.")
+
+
+def _adam_eps(event: NanEvent) -> str:
+    dtype = event.output.dtype if event.output is not None else "float16"
+    return (f"Adam's eps={event.eps:g} rounds to 0 in {dtype} (its smallest value is about 6e-8), so "
+            f"sqrt(v) + eps is 0 where the gradient is tiny and the update divides by zero ({event.param}). "
+            "Keep the parameters and optimizer state in float32 (autocast for the forward), or use eps=1e-4.")
+
+
+def _eigen(event: NanEvent) -> str:
+    return (f"The gradient of {event.forward_op or 'eigh/svd'} divides by differences of eigenvalues (singular "
+            f"values): repeated ones make it infinite or NaN{_fwd(event)}. Use eigvalsh/svdvals when only the "
+            "values are needed, or break the degeneracy (add a tiny random perturbation).")
+
+
+CAUSE_HINTS: dict[Cause, Callable[[NanEvent], str]] = {
+    "nonfinite_parameter": _parameter,
+    "nonfinite_buffer": _buffer,
+    "input_data": _input_data,
+    "grad_scaler_skip": _scaler,
+    "user_backward": _user_backward,
+    "where_trap": _where_trap,
+    "lr_growth": _lr_growth,
+    "ctc_target_too_long": _ctc,
+    "clamp_at_domain_edge": _clamp,
+    "all_masked_row": _masked_row,
+    "log_of_zero_probability": _log_zero,
+    "adam_eps_underflow": _adam_eps,
+    "repeated_eigenvalues": _eigen,
+}

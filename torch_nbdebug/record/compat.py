@@ -1,0 +1,382 @@
+"""The one door to PyTorch's private API (DESIGN.md section 9).
+
+Every ``torch._C`` call and every other private torch name the package uses is reached through this
+module, so a torch release that renames one breaks one place, with a message that names the feature
+and the torch it needs. Public equivalents come first (``StorageWeakRef`` for storage lifetimes,
+``torch.compiler.set_stance`` for compiled code); what has none is wrapped here, looked up lazily
+where it is not on the hot path, and bound once where it is (the op-level recorders call these for
+every op).
+
+This module imports torch only (plus the package's one error class, which imports nothing).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import types
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torch_nbdebug.errors import NbdebugError
+
+__all__ = [
+    "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
+    "TorchVersionError", "at_least", "bind", "compiled_callables", "cuda_history_enabled",
+    "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
+    "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
+    "function_stack_len", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
+    "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
+    "parse_version", "pop_dispatch_mode", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
+    "queue_backward_callback", "require", "restore_stance", "start_cuda_memory_history",
+    "stop_cuda_memory_history", "storage_expired", "storage_id", "storage_key", "storage_use_count",
+    "storage_weak_ref", "tensor_key", "tensor_version", "tree_leaves", "unskip_dynamo_codes",
+]
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; ``"2.14.0.dev20261101"`` -> ``(2, 14)``."""
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"cannot read a torch version from {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+TORCH_VERSION: tuple[int, int] = parse_version(torch.__version__)
+
+# The oldest torch the test suite runs (requirements/dev.txt pins it; pyproject.toml claims it).
+MIN_TORCH: tuple[int, int] = (2, 13)
+
+# Feature -> (first torch that has it, what the feature is for). A version map like torchview's:
+# ``require`` turns a missing feature into one sentence naming the feature and the torch it needs.
+FEATURES: dict[str, tuple[tuple[int, int], str]] = {
+    "cuda_memory_history": ((2, 1), "the CUDA allocator timeline (_record_memory_history with stacks=)"),
+    "foreach_norm_dtype": ((2, 3), "batched float32 gradient norms of half-precision gradients"),
+    "compiler_stance": ((2, 6), "keeping torch.compile'd code compiled around a watch (torch.compiler.set_stance)"),
+    "package": (MIN_TORCH, "torch_nbdebug"),
+}
+
+
+class TorchVersionError(NbdebugError, RuntimeError):
+    """The installed torch is too old for a feature: the message names the feature and the version."""
+
+
+def floor_warning(current: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """The sentence to show once when the installed torch is older than the one the suite runs."""
+    have = TORCH_VERSION if current is None else current
+    if have >= MIN_TORCH:
+        return None
+    return (f"torch_nbdebug is tested with torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}, but torch {have[0]}.{have[1]} is "
+            f"installed: some features may fail; upgrade with `pip install -U 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'`")
+
+
+def at_least(version: tuple[int, int], current: Optional[tuple[int, int]] = None) -> bool:
+    """Whether the installed torch (or ``current``) is at least ``version``."""
+    return (TORCH_VERSION if current is None else current) >= version
+
+
+def require(feature: str, current: Optional[tuple[int, int]] = None) -> None:
+    """Raise :class:`TorchVersionError` when ``feature`` needs a newer torch than the installed one."""
+    needed, purpose = FEATURES[feature]
+    have = TORCH_VERSION if current is None else current
+    if have < needed:
+        raise TorchVersionError(
+            f"{purpose} needs torch>={needed[0]}.{needed[1]}, but torch {have[0]}.{have[1]} is installed: "
+            f"upgrade with `pip install -U 'torch>={needed[0]}.{needed[1]}'`")
+
+
+def bind(owner: Any, name: str, what: str) -> Callable[..., Any]:
+    """``owner.name`` (a private torch function), or a stand-in that raises :class:`TorchVersionError`
+    when called: a torch release that drops the name breaks the one feature using it, with a message,
+    not the import of the whole package."""
+    found = getattr(owner, name, None)
+    if callable(found):
+        return found
+    where = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+
+    tested = f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise TorchVersionError(
+            f"{what} needs {where}, which torch {torch.__version__} does not have; torch_nbdebug is tested "
+            f"with torch {tested}: install it with `pip install 'torch=={tested}.*'`")
+
+    return missing
+
+
+if (_FLOOR := floor_warning()) is not None:  # pip enforces the floor; --no-deps or conda may not
+    warnings.warn(_FLOOR, RuntimeWarning, stacklevel=2)
+
+
+# -- storages ---------------------------------------------------------------------------------
+def storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """Identity of a tensor's storage (shared by all its views), or None for storage-less tensors.
+
+    The key equals ``StorageWeakRef(storage).cdata`` (both are the StorageImpl address) without taking
+    and dropping a weak count per call: recorders ask for it on every op output.
+    """
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None  # sparse, nested, functional or wrapper subclasses: no plain storage
+
+
+def storage_id(storage: Any) -> int:
+    """The key of an ``UntypedStorage`` itself (what :func:`storage_key` returns for its tensors)."""
+    return storage._cdata
+
+
+def storage_weak_ref(storage: Any) -> int:
+    """A raw weak reference (an int, equal to the storage's key) that keeps the address from being
+    reused while held; free it with :func:`free_storage_weak_ref`. ``StorageWeakRef`` is the public
+    object form; registries holding hundreds of thousands of entries keep the bare int."""
+    return storage._weak_ref()
+
+
+def storage_use_count(tensor: torch.Tensor) -> Optional[int]:
+    """How many strong references hold ``tensor``'s storage: its TensorImpls (the tensor and every view
+    or alias) plus one for the Python storage object this call reads it through. None when this torch
+    cannot say or the tensor has no plain storage (callers then treat the storage as shared)."""
+    if _storage_use_count is None:
+        return None
+    try:
+        return int(_storage_use_count(tensor.untyped_storage()._cdata))
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# Bound once: registries purge thousands of entries at a time.
+storage_expired: Callable[[int], bool] = bind(torch.UntypedStorage, "_expired", "storage lifetimes")
+"""Whether the storage behind a raw weak reference (:func:`storage_weak_ref`) has been freed."""
+free_storage_weak_ref: Callable[[int], None] = bind(torch.UntypedStorage, "_free_weak_ref", "storage lifetimes")
+"""Drop a raw weak reference from :func:`storage_weak_ref`."""
+
+
+# -- tensors ----------------------------------------------------------------------------------
+def tensor_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's TensorImpl: stable while it lives, unlike ``id()`` of its Python object,
+    which is dropped and made again when a tensor passes through C++ only (autograd's backward)."""
+    return tensor._cdata
+
+
+_FAKE: list[type] = []
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (shapes only, no data: statistics must not read it)."""
+    if not _FAKE:
+        from torch._subclasses.fake_tensor import FakeTensor  # imported on first use: it is not small
+
+        _FAKE.append(FakeTensor)
+    return isinstance(t, _FAKE[0])
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2,
+                 dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """One batched kernel for many norms (``torch._foreach_norm``), optionally accumulated in ``dtype``."""
+    if dtype is None:
+        return list(torch._foreach_norm(tensors, ord))
+    if not at_least(FEATURES["foreach_norm_dtype"][0]):
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def op_arguments(func: Any) -> list[Any]:
+    """The schema arguments of an ATen overload (``func._schema.arguments``); [] when it has none."""
+    schema = getattr(func, "_schema", None)
+    return list(schema.arguments) if schema is not None else []
+
+
+def op_returns(func: Any) -> list[Any]:
+    """The schema returns of an ATen overload (``func._schema.returns``, each with ``alias_info``)."""
+    schema = getattr(func, "_schema", None)
+    return list(schema.returns) if schema is not None else []
+
+
+# -- autograd ---------------------------------------------------------------------------------
+# Bound once: the op-level recorders call these for every op.
+current_autograd_node: Callable[[], Any] = bind(torch._C, "_current_autograd_node", "telling backward from forward")
+"""The autograd node whose backward is running now (None in forward)."""
+next_sequence_nr: Callable[[], int] = bind(torch._C._autograd, "_get_sequence_nr", "matching backward nodes to ops")
+"""The sequence number the next autograd node made on this thread will get."""
+
+
+NO_SEQUENCE = 2**64 - 1
+"""The sequence number of nodes made outside forward (AccumulateGrad, graph roots)."""
+
+
+def node_sequence_nr(node: Any) -> int:
+    """An autograd node's sequence number (its creation order in forward; ``NO_SEQUENCE`` for none)."""
+    return node._sequence_nr()
+
+
+def node_output_metadata(node: Any) -> Iterable[Any]:
+    """Metadata (``shape``, ``dtype``) of the forward outputs a node receives gradients for."""
+    return node._input_metadata
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished (call it from a backward hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place write): a changed value means changed data."""
+    return t._version
+
+
+def node_saved_attributes(node: Any) -> list[str]:
+    """Names of a node's saved-for-backward attributes (``_saved_self``, ...): ``dir`` is slow, cache it."""
+    return [a for a in dir(node) if a.startswith("_saved_")]
+
+
+# -- dispatch and function mode stacks -------------------------------------------------------
+dispatch_stack_len: Callable[[], int] = bind(torch._C, "_len_torch_dispatch_stack", "the dispatch mode stack")
+"""How many TorchDispatchModes are on the stack."""
+dispatch_mode_at: Callable[[int], Any] = bind(torch._C, "_get_dispatch_stack_at", "the dispatch mode stack")
+"""The dispatch mode at a stack index (0 = outermost)."""
+function_stack_len: Callable[[], int] = bind(torch._C, "_len_torch_function_stack", "the function mode stack")
+"""How many TorchFunctionModes are on the stack."""
+function_mode_at: Callable[[int], Any] = bind(torch._C, "_get_function_stack_at", "the function mode stack")
+"""The function mode at a stack index (0 = outermost)."""
+pop_function_mode: Callable[[], Any] = bind(torch._C, "_pop_torch_function_stack", "the function mode stack")
+"""Take the innermost function mode off the stack (without running its ``__exit__``)."""
+push_function_mode: Callable[[Any], None] = bind(torch._C, "_push_on_torch_function_stack", "the function mode stack")
+"""Put a mode taken off with :func:`pop_function_mode` back on top."""
+
+
+def pop_dispatch_mode() -> Any:
+    """Take the innermost dispatch mode off the stack (without running its ``__exit__``)."""
+    return torch._C._pop_torch_dispatch_stack(None)
+
+
+def push_dispatch_mode(mode: Any) -> None:
+    """Put a mode taken off with :func:`pop_dispatch_mode` back on top."""
+    torch._C._push_on_torch_dispatch_stack(mode)
+
+
+# -- CUDA allocator history ------------------------------------------------------------------
+def cuda_history_enabled() -> bool:
+    """Whether anyone has CUDA allocator history recording on (False without CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    return bool(torch._C._cuda_isHistoryEnabled())
+
+
+def start_cuda_memory_history(max_entries: int) -> None:
+    """Record every allocator event with Python stacks, starting from an empty history."""
+    require("cuda_memory_history")
+    torch.cuda.memory._record_memory_history("all", context="all", stacks="python",
+                                            max_entries=max_entries, clear_history=True)
+
+
+def stop_cuda_memory_history() -> None:
+    """Turn allocator history off and clear it (so a later snapshot shows none of our events)."""
+    torch.cuda.memory._record_memory_history(enabled=None, clear_history=True)
+
+
+def cuda_memory_snapshot() -> dict[str, Any]:
+    """The allocator's segments and per-device traces, as PyTorch's memory viewer reads them."""
+    return torch.cuda.memory._snapshot()
+
+
+# -- torch.compile ---------------------------------------------------------------------------
+# Dynamo refuses to run or compile frames while a TorchDispatchMode is on the stack, and it marks each
+# code object it refused as "skip" for good (torch/_dynamo/convert_frame.py, CatchErrorsWrapper), so
+# a compiled model called once under a watch would run eagerly for the rest of the process.
+def dynamo_loaded() -> bool:
+    """Whether torch.compile has been used in this process (importing dynamo costs about a second)."""
+    return "torch._dynamo" in sys.modules
+
+
+def force_eager() -> Any:
+    """Run compiled code eagerly from now on, without touching its caches; undo with :func:`restore_stance`.
+
+    ``torch.compiler.set_stance`` (public) sets the stance when called and restores the previous one
+    on ``__exit__``, so nested watches restore each other's stance in order.
+    """
+    require("compiler_stance")
+    return torch.compiler.set_stance("force_eager")
+
+
+def restore_stance(stance: Any) -> None:
+    """Put back the compiler stance that was current before :func:`force_eager`."""
+    stance.__exit__(None, None, None)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
+
+
+def original_module(module: Any) -> Any:
+    """The module ``torch.compile(module)`` wrapped (its ``_orig_mod``), or ``module`` itself: names
+    and parameters are the user's (``model.fc2``, not ``model._orig_mod.fc2``)."""
+    if not is_compiled_module(module):
+        return module
+    inner = vars(module).get("_modules", {}).get("_orig_mod")  # no __getattr__: the wrapper forwards it
+    return inner if isinstance(inner, torch.nn.Module) else module
+
+
+_WRAPPER_CODE: list[Optional[types.CodeType]] = []
+
+
+def _wrapper_code() -> Optional[types.CodeType]:
+    """The code object of dynamo's ``compile_wrapper``, the frame every compiled call runs through
+    (None if a torch release renamed it: compiled calls are then not named in the report)."""
+    if not _WRAPPER_CODE:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+
+        codes = [c for c in _TorchDynamoContext.__call__.__code__.co_consts
+                 if isinstance(c, types.CodeType) and c.co_name == "compile_wrapper"]
+        _WRAPPER_CODE.append(codes[0] if codes else None)
+    return _WRAPPER_CODE[0]
+
+
+def compiled_callables(frame: Optional[types.FrameType], limit: int = 64) -> Iterator[Any]:
+    """The callables that torch.compile wrapped, for each compiled call on the stack above ``frame``."""
+    code = _wrapper_code()
+    if code is None:
+        return
+    depth = 0
+    while frame is not None and depth < limit:
+        if frame.f_code is code:
+            fn = frame.f_locals.get("fn")
+            if fn is not None:
+                yield _unwrap(fn)
+        frame = frame.f_back
+        depth += 1
+
+
+def _unwrap(fn: Any) -> Any:
+    """The user's callable inside dynamo's wrappers (``wrap_inline`` and friends close over ``fn``)."""
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        code = getattr(fn, "__code__", None)
+        if inner is None and code is not None and "fn" in code.co_freevars and fn.__closure__:
+            inner = fn.__closure__[code.co_freevars.index("fn")].cell_contents
+        if inner is None:
+            return fn
+        fn = inner
+    return fn
+
+
+def unskip_dynamo_codes() -> list[types.CodeType]:
+    """Let dynamo decide afresh for every code object it has seen; returns those code objects.
+
+    For torch.compile first used while a dispatch mode was on: every frame dynamo saw was refused and
+    marked "skip" for good. Resetting a frame dynamo would have skipped anyway only makes it ask again.
+    """
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    from torch._dynamo.convert_frame import input_codes
+
+    codes = [code for code in (ref() for ref in list(input_codes.seen)) if code is not None]
+    for code in codes:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+    return codes

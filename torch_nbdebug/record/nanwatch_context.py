@@ -1,0 +1,119 @@
+"""What the recorder's components get from it: options, the event log, the clock, and a few services.
+
+Components (module checks, optimizer watch, GradScaler/cast checks, the immediate and the deferred
+op checks) receive a :class:`WatchContext` and use only what it declares, never the recorder's
+private attributes.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol
+
+from torch_nbdebug.data.nanwatch import Kind, NanEvent
+from torch_nbdebug.data.stats import TensorStats
+from torch_nbdebug.record.compat import node_sequence_nr
+from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
+from torch_nbdebug.record.nanwatch_events import Place, Site, backward_site, forward_site, site_event
+from torch_nbdebug.record.nanwatch_log import EventLog
+from torch_nbdebug.record.nanwatch_params import carriers
+from torch_nbdebug.record.nanwatch_storage import StorageRegistry
+
+
+Mode = Literal["op", "module"]
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    mode: Mode = "op"
+    backward: bool = True
+    optimizer: bool = True
+    ignore_inf: bool = False
+    raise_on_birth: bool = False
+    defer: bool = False
+    max_events: int = 50
+
+
+class Clock:
+    """The 1-based iteration: a forward after a backward starts the next one."""
+
+    __slots__ = ("iteration", "saw_backward")
+
+    def __init__(self) -> None:
+        self.iteration = 1
+        self.saw_backward = False
+
+    def forward(self) -> None:
+        if self.saw_backward:
+            self.saw_backward = False
+            self.iteration += 1
+
+
+class LrGrowth(Protocol):
+    def growth(self) -> Optional[tuple[float, int]]:
+        """(learning rate, optimizer step) when the learning rate grew a lot during the watch."""
+
+
+class WatchContext(Protocol):
+    options: WatchOptions
+    log: EventLog
+    clock: Clock
+    produced: StorageRegistry
+    namespace: Optional[Mapping[str, Any]]
+    lr: LrGrowth
+
+    def module_path(self) -> Optional[str]: ...
+
+    def forward_place(self, seq: int) -> Optional[Place]: ...
+
+    def quiet(self) -> ContextManager[None]: ...
+
+    def internal_error(self, where: str, exc: Exception) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def keep_handle(self, handle: Any) -> None:
+        """A hook on a tensor or an autograd node: removed when the watch stops."""
+
+
+def op_site(ctx: WatchContext, func: Any, phase: OpPhase, node: Any, seq: Optional[int],
+            frame: types.FrameType) -> Site:
+    """Where an op runs: its module and line in forward, its node and forward line in backward."""
+    if phase == "backward":
+        return backward_site(node, func, ctx.forward_place(node_sequence_nr(node)), frame)
+    site = forward_site(ctx.module_path(), func, seq, frame)
+    if node is not None:  # a forward op run by backward code (double backward, a checkpoint)
+        site = site._replace(node=node.name(), seq=node_sequence_nr(node))
+    return site
+
+
+INPLACE = "in-place op: its input was overwritten by the result"
+
+
+def shown_inputs(verdict: Verdict, in_bad: list[bool], inplace: bool) -> tuple[list[int], str]:
+    """Which inputs an event shows, and a note: the culprits first for input data; an in-place op's
+    input holds its result now, so only the other inputs."""
+    if verdict == "input":
+        return [i for i, b in enumerate(in_bad) if b][:2] + [i for i, b in enumerate(in_bad) if not b][:2], ""
+    start = 1 if inplace else 0
+    return list(range(start, len(in_bad)))[:4], INPLACE if inplace else ""
+
+
+def report_op(ctx: WatchContext, site: Site, verdict: Verdict, kind: Kind, inputs: tuple[TensorStats, ...],
+              output: Optional[TensorStats], culprit_keys: list[Optional[int]], input_op: Optional[str],
+              iteration: int, deferred: bool, detail: str = "") -> Optional[NanEvent]:
+    """Turn a judged op into its event (both check paths): None when ``ignore_inf`` drops it.
+
+    The caller hands a forward birth to the log, and holds a backward birth until its node finishes."""
+    if ctx.options.ignore_inf and kind == "inf":
+        return None
+    extra: dict[str, Any] = dict(deferred=deferred, input_op=input_op)
+    if detail:
+        extra.update(detail=detail)
+    if verdict == "input":
+        extra.update(carriers(ctx.namespace, culprit_keys).fields())
+    grown = ctx.lr.growth() if kind == "inf" else None
+    if grown is not None:
+        extra.update(lr=grown[0], lr_step=grown[1])
+    return site_event(site, verdict, inputs, output, kind, iteration, **extra)
+

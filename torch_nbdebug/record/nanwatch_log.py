@@ -1,0 +1,145 @@
+"""The one owner of a watch's events: the list, what was absorbed, held backward births, and when to raise.
+
+Every path (op checks now or deferred, module mode, optimizer steps, GradScaler) hands its events here;
+nothing else appends to the list or raises :class:`NanBirthError`. Keys are storage keys (ints) and
+autograd sequence numbers: no tensor is kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterable, Iterator, Optional, Sequence
+
+from torch_nbdebug.data.nanwatch import NanEvent
+from torch_nbdebug.errors import NanBirthError
+from torch_nbdebug.record.nanwatch_births import keeps_backward_birth
+from torch_nbdebug.record.nanwatch_events import birth_message
+
+
+class EventLog:
+    def __init__(self, max_events: int, raise_on_birth: bool) -> None:
+        self.max_events = max_events
+        self.raise_on_birth = raise_on_birth
+        self.events: list[NanEvent] = []
+        self.absorbed: set[int] = set()  # indices of forward births a where/masked_fill threw away
+        self.dropped = 0
+        self.scaler_skips: set[int] = set()  # iterations whose optimizer step GradScaler skipped
+        self._scaler_mark = 0  # events before this index were seen by an earlier GradScaler check
+        self._birth_keys: dict[int, int] = {}  # storage key of a forward birth's output -> event index
+        self._birth_seqs: dict[int, int] = {}  # autograd sequence nr of a forward birth -> event index
+        self._held: dict[int, list[NanEvent]] = {}  # backward births waiting for their node to finish
+
+    # -- questions ------------------------------------------------------------------------------
+    def has_events(self) -> bool:
+        return bool(self.events) or self.dropped > 0
+
+    def full(self) -> bool:
+        return len(self.events) >= self.max_events
+
+    def tracking_births(self) -> bool:
+        """Whether an absorbing op (where, masked_fill) could throw a birth away: only after one."""
+        return bool(self._birth_keys)
+
+    def is_born(self, key: Optional[int]) -> bool:
+        return key is not None and key in self._birth_keys
+
+    def from_absorbed(self, key: Optional[int]) -> bool:
+        """Is this storage the output of a forward birth that was thrown away (the where trap)?"""
+        return bool(self.absorbed) and key is not None and self._birth_keys.get(key) in self.absorbed
+
+    # -- adding ---------------------------------------------------------------------------------
+    def add(self, event: NanEvent, out_keys: Iterable[Optional[int]] = ()) -> None:
+        """Keep a birth (raising if asked); forward births remember their outputs' storage keys."""
+        if event.phase == "backward" and event.sequence_nr is not None:
+            fwd = self._birth_seqs.get(event.sequence_nr)
+            if fwd is not None and fwd not in self.absorbed:
+                return  # the gradient of an op whose forward output was already reported as non-finite
+        if self.full():
+            self.dropped += 1
+            return
+        self.events.append(event)
+        index = len(self.events) - 1
+        if event.phase == "forward":
+            if event.sequence_nr is not None:
+                self._birth_seqs[event.sequence_nr] = index
+            for key in out_keys:
+                if key is not None:
+                    self._birth_keys[key] = index
+        if self.raise_on_birth:
+            raise NanBirthError(birth_message(event), event=event)
+
+    @contextlib.contextmanager
+    def not_raising(self) -> Iterator[None]:
+        """While the watch stops (or reads flags after the user's own error): record, never raise."""
+        raising, self.raise_on_birth = self.raise_on_birth, False
+        try:
+            yield
+        finally:
+            self.raise_on_birth = raising
+
+    # -- the where trap ------------------------------------------------------------------------
+    def absorb(self, keys: Sequence[Optional[int]], thrown: Sequence[bool]) -> None:
+        for key, gone in zip(keys, thrown):
+            if gone and key is not None and key in self._birth_keys:
+                self.absorbed.add(self._birth_keys[key])
+
+    def propagated(self, keys: Iterable[Optional[int]]) -> None:
+        """A non-finite value flowed on: the forward birth it came from was not absorbed after all."""
+        for key in keys:
+            index = self._birth_keys.get(key) if key is not None else None
+            if index is not None:
+                self.absorbed.discard(index)
+
+    # -- backward births wait for their node ----------------------------------------------------
+    def hold(self, node_key: int, event: NanEvent) -> bool:
+        """Hold a backward birth until its node finishes; True when this node was not held yet."""
+        held = self._held.get(node_key)
+        if held is None:
+            self._held[node_key] = [event]
+            return True
+        held.append(event)
+        return False
+
+    def is_held(self, node_key: int) -> bool:
+        return node_key in self._held
+
+    def node_done(self, node_key: int, grads_bad: Sequence[bool]) -> None:
+        """The node finished: keep its held births if a non-finite gradient left it."""
+        held = self._held.pop(node_key, [])
+        if held and keeps_backward_birth(grads_bad):
+            for event in held:
+                self.add(event)
+
+    def commit_held(self) -> None:
+        """Births of nodes that never finished (the backward raised): keep them, without raising."""
+        held, self._held = self._held, {}
+        with self.not_raising():
+            for events in held.values():
+                for event in events:
+                    self.add(event)
+
+    # -- GradScaler ------------------------------------------------------------------------------
+    def scaler_skipped(self, iteration: Optional[int]) -> None:
+        """GradScaler checked the gradients: if it skips the step (``iteration`` given), this
+        iteration's backward births since its last check are its calibration, not births."""
+        start, self._scaler_mark = self._scaler_mark, len(self.events)
+        if iteration is None:
+            return
+        self.scaler_skips.add(iteration)
+        for i in range(start, len(self.events)):
+            event = self.events[i]
+            if event.phase == "backward" and i not in self.absorbed:
+                self.events[i] = dataclasses.replace(event, cause="grad_scaler_skip", detail=SCALER_SKIPPED)
+                self.absorbed.add(i)
+
+    def take(self) -> tuple[list[NanEvent], set[int]]:
+        """Hand the events over (the report is built from them) and start empty."""
+        events, absorbed = self.events, self.absorbed
+        self.events, self.absorbed = [], set()
+        return events, absorbed
+
+    def clear_keys(self) -> None:
+        self._birth_keys.clear()
+
+
+SCALER_SKIPPED = "GradScaler found this non-finite gradient and skipped the optimizer step"

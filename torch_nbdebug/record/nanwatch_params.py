@@ -1,0 +1,64 @@
+"""Name the parameter or buffer that carried a NaN/Inf into an op (``model.1.running_var``).
+
+Ops see views (``weight.t()``) and buffers updated in place, so tensors are matched by storage, not
+identity. The index is built only when an input event needs it (rare), from the namespace's models.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple, Optional
+
+from torch_nbdebug.data.nanwatch import Cause, ParamKind
+from torch_nbdebug.record.modules import compiled_original, module_roots
+from torch_nbdebug.record.tensors import storage_key
+
+
+class Carrier(NamedTuple):
+    """The parameters/buffers among an op's non-finite inputs (empty names: plain input data)."""
+
+    names: tuple[str, ...]
+    kind: Optional[ParamKind]
+
+    @property
+    def cause(self) -> Cause:
+        if not self.names:
+            return "input_data"
+        return "nonfinite_buffer" if self.kind == "buffer" else "nonfinite_parameter"
+
+    @property
+    def detail(self) -> str:
+        if not self.names:
+            return "non-finite input data (not a parameter)"
+        return f"non-finite {self.kind} " + ", ".join(self.names)
+
+    def fields(self) -> dict[str, Any]:
+        """The event fields: ``param``, ``param_kind``, ``cause`` and the human ``detail``."""
+        found = dict(cause=self.cause, detail=self.detail)
+        if self.names:
+            found.update(param=self.names[0], param_kind=self.kind)
+        return found
+
+
+def storage_index(namespace: Optional[Mapping[str, Any]]) -> dict[int, tuple[str, ParamKind]]:
+    """Storage key -> (qualified name, parameter or buffer) for every model in the namespace."""
+    index: dict[int, tuple[str, ParamKind]] = {}
+    for root_name, root in module_roots(namespace):
+        walked = compiled_original(root) or root  # a torch.compile wrapper: the names the user writes
+        for name, p in walked.named_parameters():
+            key = storage_key(p)
+            if key is not None:
+                index.setdefault(key, (f"{root_name}.{name}", "parameter"))
+        for name, b in walked.named_buffers():
+            key = storage_key(b)
+            if key is not None:
+                index.setdefault(key, (f"{root_name}.{name}", "buffer"))
+    return index
+
+
+def carriers(namespace: Optional[Mapping[str, Any]], keys: Iterable[Optional[int]]) -> Carrier:
+    """Which of these storages are a model's parameters or buffers (parameters named first)."""
+    index = storage_index(namespace)
+    found = [index[k] for k in keys if k is not None and k in index]
+    found.sort(key=lambda item: item[1] != "parameter")
+    if not found:
+        return Carrier((), None)
+    return Carrier(tuple(name for name, _ in found), found[0][1])
