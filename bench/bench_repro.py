@@ -12,10 +12,13 @@ GPT-2-small-like step: repro <= 3x the plain step (it runs the step twice, so 2x
 
 Where the time goes (GPT-2-small-like, batch 2 x 31 tokens, AdamW, one CPU thread): the two runs
 (2x); the copy-on-write snapshot of what the step writes - the parameters and both AdamW moments,
-~1.5 GB cloned before the first write and copied back once - about 0.7-0.8x on this memory-bound
-CPU step; fingerprints (one integer sum of the bits per op output, first reads of the parameters,
-weight gradients) and per-op Python dispatch about 0.3x per run. Larger batches raise the step's
-compute but not the snapshot, so the ratio falls towards 2x.
+~1.2 GB cloned before the first write, nothing copied back (run 1 writes the parameters' clones and
+the parameters get their own memory back; the moments' clones take their place in the optimizer's
+state) - about 0.25-0.35x, most of it page faults of the fresh memory; the TorchDispatchMode itself
+about 0.13x per run; fingerprints (one integer sum of the bits per op output, weight gradients
+mostly; a view's input is not read again) about 0.07x per run; the recorder's per-op Python and the
+comparison about 0.15x per run. Larger batches raise the step's compute but not the snapshot, so
+the ratio falls towards 2x.
 """
 from __future__ import annotations
 

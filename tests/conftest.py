@@ -24,6 +24,8 @@ def _global_state() -> dict[str, Any]:
     state["saved_tensors_hooks"] = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     state["sys_trace"] = sys.gettrace() is not None and "coverage" not in type(sys.gettrace()).__module__
     state["sys_profile"] = sys.getprofile() is not None
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # the torch.compile stance (force_eager...)
+    state["compiler_stance"] = eval_frame._stance.stance if eval_frame is not None else "default"
     if torch.cuda.is_available():
         state["cuda_history"] = bool(torch.cuda.memory._snapshot().get("device_traces") and
                                      any(torch.cuda.memory._snapshot()["device_traces"]))

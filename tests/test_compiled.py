@@ -157,6 +157,22 @@ def test_nested_watches_and_a_raising_block_restore_the_stance(compiled: tuple[N
     assert_still_compiled(model)
 
 
+def test_watches_ending_out_of_order_restore_the_users_stance(compiled: tuple[Net, Any]) -> None:
+    """Two watches at once (two threads, or generators) may end in any order: the stance must come
+    back to what it was before the first, not to what the first one found."""
+    from torch_nbdebug.record.compiled import CompiledCode
+
+    _, model = compiled
+    first, second = CompiledCode(), CompiledCode()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # ends first, although it began first
+    assert stance() == "force_eager"  # the second watch is still on
+    second.__exit__(None, None, None)
+    assert stance() == "default"
+    assert_still_compiled(model)
+
+
 def test_no_note_when_no_compiled_code_ran(compiled: tuple[Net, Any]) -> None:
     net, model = compiled
     with nb.nanwatch() as report:

@@ -284,6 +284,7 @@ def _assert_skipped_note(text: str) -> None:
     ("graph", "", BODY, "graph"),
     ("grads", "model", BODY, "model.0"),
     ("cudamem", "", BODY, "memory timeline"),
+    ("repro", "", BODY, "the two runs are identical"),
 ])
 def test_cell_magics_survive_hostile_namespace(hostile: Any, magic: str, line: str, body: str, expect: str) -> None:
     with capture_output() as cap:
@@ -305,6 +306,19 @@ def test_line_magics_survive_hostile_namespace(hostile: Any, magic: str, line: s
     text = _shown(cap)
     assert expect in text
     _assert_skipped_note(text)
+
+
+def test_explain_names_the_failing_module_despite_hostile_neighbours(hostile: Any) -> None:
+    """%%explain and the automatic post-mortem paragraph read the namespace to name modules."""
+    with capture_output() as cap:
+        result = hostile.run_cell("model(torch.ones(3, 7))")  # the automatic paragraph
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert "shape mismatch at `model.0`" in "\n".join(o.data.get("text/plain", "") for o in cap.outputs)
+    with capture_output():
+        result = hostile.run_cell("%%explain\nmodel(torch.ones(3, 7))")
+    assert isinstance(result.error_in_exec, RuntimeError)
+    diagnosis = hostile.user_ns.pop("_explain")
+    assert (diagnosis.kind, diagnosis.module) == ("shape", "model.0")
 
 
 def test_nanwatch_line_shows_the_report_of_a_hostile_cell(hostile: Any) -> None:

@@ -103,15 +103,15 @@ def _state(ns: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def shell(ipython: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The IPython shell with SETUP run and every magic's ``display`` captured in ``shell.shown``."""
-    from torch_nbdebug.magics import grads, graph, memory, nanwatch
+    from torch_nbdebug.magics import grads, graph, memory, nanwatch, repro
 
     shown: list[Any] = []
-    for module in (grads, graph, memory, nanwatch):
+    for module in (grads, graph, memory, nanwatch, repro):
         monkeypatch.setattr(module, "display", lambda obj, *a, **k: shown.append(obj))
     ipython.shown = shown
     assert ipython.run_cell(SETUP).success
     yield ipython
-    for name in ("model", "opt", "x", "out", "loss", "_nanwatch"):
+    for name in ("model", "opt", "x", "out", "loss", "_nanwatch", "_repro"):
         ipython.user_ns.pop(name, None)
     del ipython.shown
     gc.collect()
@@ -208,6 +208,22 @@ def test_explain_stops_and_explains_nothing(shell: Any) -> None:
         _interrupt_each_time(shell, "%%explain\n" + LOOP, check)
     finally:
         shell.user_ns.pop("_explain", None)
+
+
+def test_repro_stops_and_shows_the_partial_report(shell: Any) -> None:
+    """``%%repro`` runs the cell twice: a Stop in either run ends the cell, and what was compared
+    so far is shown and stored in ``_repro``."""
+    from torch_nbdebug.api.repro import ReproReport
+
+    reports: list[int] = []
+
+    def check(k: int, shown: list[Any]) -> None:
+        report = shell.user_ns.get("_repro")
+        assert isinstance(report, ReproReport) and id(report) not in reports, f"trial {k}: no new _repro"
+        reports.append(id(report))
+        assert shown == [report], f"trial {k}: shown {shown!r}"
+
+    _interrupt_each_time(shell, "%%repro\n" + LOOP, check)
 
 
 def test_cudamem_line_stops(shell: Any) -> None:
@@ -389,6 +405,11 @@ def _recorder(tool: str) -> tuple[Any, Callable[[], Any], Callable[[], Any]]:
         grads = GradRecorder(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)), "model",
                              activations=True)
         return GradRecorder, grads.__enter__, lambda: grads.__exit__(None, None, None)
+    if tool == "repro":
+        from torch_nbdebug.record.repro import ReproRecorder
+
+        rep = ReproRecorder({})
+        return ReproRecorder, rep.__enter__, lambda: rep.__exit__(None, None, None)
     if tool == "nanwatch":
         from torch_nbdebug.record.nanwatch import NanRecorder
 
@@ -408,6 +429,7 @@ def _recorder(tool: str) -> tuple[Any, Callable[[], Any], Callable[[], Any]]:
 @pytest.mark.parametrize("tool, step", [("memory", "start"), ("memory", "stop"), ("grads", "__enter__"),
                                         ("grads", "remove"), ("graph", "__enter__"), ("graph", "__exit__"),
                                         ("nanwatch", "start"), ("nanwatch", "stop"),
+                                        ("repro", "__enter__"), ("repro", "__exit__"),
                                         ("explain", "start"), ("explain", "stop")])
 def test_a_stop_while_a_recorder_installs_or_removes_leaves_nothing(tool: str, step: str) -> None:
     """Press Stop at every call made while a recorder installs (or removes) its hooks: it must

@@ -453,7 +453,7 @@ loss.backward()
 
 # %%
 assert (_explain.kind, _explain.culprit_op, _explain.culprit_lineno) == ("no_grad", "detach", 1)
-assert "nothing trains" in _explain.hint
+assert "nothing trains" in _explain.warning
 
 # %% [markdown]
 # **Indices, and the CUDA device-side assert.** On a GPU an out-of-range token id from section 3 is a

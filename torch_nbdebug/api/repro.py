@@ -19,6 +19,7 @@ from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.repro import (explain, find_divergence, first_op, missing_ops, nondeterministic_uses,
                                          preflight, summarize)
 from torch_nbdebug.record.repro import ReproRecorder
+from torch_nbdebug.record.source import skipped_note
 from torch_nbdebug.record.repro_state import StateSnapshot, end_state, is_state, read_settings, state_in
 from torch_nbdebug.record.source import line_of
 from torch_nbdebug.render.bundle import Displayable
@@ -92,8 +93,9 @@ def _caller_name(value: Any, caller: Optional[types.FrameType], fallback: str) -
 
 
 def _named_state(state: Any, namespace: Optional[MutableMapping[str, Any]],
-                 caller: Optional[types.FrameType] = None) -> list[tuple[str, Any]]:
-    named = state_in(namespace) if namespace is not None else []
+                 caller: Optional[types.FrameType] = None,
+                 skipped: Optional[list[str]] = None) -> list[tuple[str, Any]]:
+    named = state_in(namespace, skipped) if namespace is not None else []
     if state is None:
         return named
     items = list(state.items()) if isinstance(state, dict) else \
@@ -120,12 +122,13 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
         raise InputError(f"repro: fn must be a function to run twice (e.g. a lambda), not {type(fn).__name__}")
     if not isinstance(restore_rng, bool):
         raise InputError(f"repro: restore_rng must be True or False, not {restore_rng!r}")
-    named = _named_state(state, namespace, caller)
+    skipped: list[str] = []
+    named = _named_state(state, namespace, caller, skipped)
     del caller
     names = dict(named) if namespace is None else namespace  # module names for the report
     report = _last = ReproReport()
     snapshot = StateSnapshot(named, namespace, restore_rng)
-    context = dict(names=tuple(snapshot.names), restore_rng=restore_rng, named=named)
+    context = dict(names=tuple(snapshot.names), restore_rng=restore_rng, named=named, skipped=tuple(skipped))
     run1 = ReproRecorder(names, labels=snapshot.labels, pristine=snapshot.pristine,
                          before_write=snapshot.before_write if snapshot.watches_writes else None)
     try:
@@ -182,6 +185,8 @@ def _common(run1: ReproRecorder, context: dict[str, Any], notes: list[str]) -> d
     if not context["restore_rng"]:
         notes.append("random generators not restored (--no-restore-rng / restore_rng=False)")
     notes.append("side effects outside torch (prints, files, appends to Python lists) happened twice")
+    if context["skipped"]:
+        notes.append(skipped_note(context["skipped"]))
     notes.extend(run1.errors)
     return dict(nondeterministic_ops=nondeterministic_uses(run1.nondeterministic, lines),
                 preflight=preflight(settings), state=context["names"], restore_rng=context["restore_rng"],

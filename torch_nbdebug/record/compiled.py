@@ -21,6 +21,7 @@ The stance is process-wide: compiled code in other threads also runs eagerly whi
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, Mapping, Optional
 
 from torch.nn import Module
@@ -30,6 +31,36 @@ from torch_nbdebug.record import compat
 from torch_nbdebug.record.source import is_user_file
 
 _MAX_NAMED = 8
+
+
+class _EagerStance:
+    """The process-wide ``force_eager`` stance, shared by every watch alive at once.
+
+    ``set_stance`` restores "the stance before me" on exit, which is only right when watches end in
+    the reverse order they began; watches in two threads (or a generator's) can end in any order. So
+    the first watch sets the stance and the last one to end restores what was there before.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._token: Any = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._token = compat.force_eager()
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                token, self._token = self._token, None
+                compat.restore_stance(token)
+
+
+_EAGER = _EagerStance()
 
 
 class CompiledCode:
@@ -43,18 +74,19 @@ class CompiledCode:
         self.purpose = purpose
         self.names: tuple[str, ...] = ()  # compiled code that ran eagerly under the watch (filled on exit)
         self.ran_eagerly = False
-        self._stance: Any = None
+        self._stance: Optional[bool] = None  # True while this watch holds the shared eager stance
         self._handle: Any = None
         self._callables: dict[int, Any] = {}
 
     def __enter__(self) -> "CompiledCode":
         if compat.dynamo_loaded():
-            self._stance = compat.force_eager()
+            _EAGER.acquire()
+            self._stance = True
             try:
                 self._handle = register_module_forward_pre_hook(self._on_module)
             except BaseException:
-                compat.restore_stance(self._stance)
                 self._stance = None
+                _EAGER.release()
                 raise
         return self
 
@@ -65,8 +97,8 @@ class CompiledCode:
         finally:
             self._handle = None
             if self._stance is not None:
-                compat.restore_stance(self._stance)
                 self._stance = None
+                _EAGER.release()
                 names = [self._name(fn) for fn in self._callables.values()]
             elif compat.dynamo_loaded():  # torch.compile was first used inside the watch
                 codes = compat.unskip_dynamo_codes()

@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
 from torch_nbdebug.record.compat import (TorchDispatchMode, current_autograd_node, next_sequence_nr,
                                          node_sequence_nr, storage_key, tensor_key)
+from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
@@ -81,30 +82,46 @@ class ReproRecorder:
         self._tracker = ModuleTracker(namespace)
         self._mode = _Mode(self)
         self._handles: list[Any] = []
+        self._mode_on = False
 
     # -- scope ---------------------------------------------------------------------------------
     def __enter__(self) -> "ReproRecorder":
-        self._tracker.__enter__()
         try:
-            self._handles = [register_optimizer_step_pre_hook(self._step_pre),
-                             register_optimizer_step_post_hook(self._step_post)]
-            self._mode.__enter__()
+            with deferred_interrupts():  # a Stop now is raised once everything is installed
+                self._install()
         except BaseException:
-            self._remove_hooks()
+            self._remove()
             raise
         return self
 
+    def _install(self) -> None:
+        self._tracker.__enter__()
+        self._handles = [register_optimizer_step_pre_hook(self._step_pre),
+                         register_optimizer_step_post_hook(self._step_post)]
+        self._mode.__enter__()
+        self._mode_on = True
+
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._mode.__exit__(*exc)
+            with deferred_interrupts():  # a Stop here is raised once the mode and hooks are removed
+                self._remove()
         finally:
-            self._remove_hooks()
+            self._remove()  # if a Stop came before the block above took effect; else a no-op
             self.flush()
             self._known.clear()
             self._views.clear()
             self._writes.clear()
             self._uninit.clear()
             self._forward_places.clear()
+
+    def _remove(self) -> None:
+        """Take off the mode and every hook; safe to run twice."""
+        try:
+            if self._mode_on:
+                self._mode_on = False
+                self._mode.__exit__(None, None, None)
+        finally:
+            self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:

@@ -103,7 +103,12 @@ def scalars_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 
 def _scalar_parts(value: Any, parts: list[Any]) -> None:
-    if isinstance(value, torch.Tensor):
+    kind = type(value)
+    if kind is int or kind is bool or kind is str or value is None:  # the common cases, first
+        parts.append(value)
+    elif kind is float:
+        parts.append(value.hex())
+    elif isinstance(value, torch.Tensor):
         parts.append("T")
     elif isinstance(value, (list, tuple)):
         for item in value:

@@ -23,6 +23,7 @@ from torch import nn
 
 from torch_nbdebug.data.repro import Fingerprint, Settings
 from torch_nbdebug.record.compat import storage_key, storage_use_count
+from torch_nbdebug.record.source import inspectable
 from torch_nbdebug.record.repro_ops import fingerprint_tensor, fingerprintable, read_fingerprints
 
 _MISSING = object()
@@ -47,19 +48,45 @@ def _is_loader(value: Any) -> bool:
     return isinstance(value, torch.utils.data.DataLoader)
 
 
-def state_in(namespace: MutableMapping[str, Any]) -> list[tuple[str, Any]]:
-    """The restorable values of a namespace (and one level inside its lists, tuples and dicts)."""
+def state_in(namespace: MutableMapping[str, Any], skipped: Optional[list[str]] = None) -> list[tuple[str, Any]]:
+    """The restorable values of a namespace (and one level inside its lists, tuples and dicts).
+
+    A value that cannot be inspected (its type, length or items raise: an unbound proxy, a dead weak
+    proxy, a container of the user's that misbehaves) is left out and its name added to ``skipped``.
+    """
     found: list[tuple[str, Any]] = []
     for name, value in list(namespace.items()):
-        if name.startswith("_"):
+        if not issubclass(type(name), str) or name.startswith("_"):
             continue
-        if is_state(value):
-            found.append((name, value))
-        elif isinstance(value, (list, tuple)) and len(value) <= 256:
-            found.extend((f"{name}[{i}]", v) for i, v in enumerate(value) if is_state(v))
-        elif isinstance(value, dict) and len(value) <= 256:
-            found.extend((f"{name}[{k!r}]", v) for k, v in list(value.items()) if is_state(v))
+        try:
+            if not inspectable(value):
+                raise TypeError("uninspectable")
+            found.extend(_state_at(name, value))
+        except Exception:  # noqa: BLE001 - whatever the user's object raises, it is only skipped
+            if skipped is not None:
+                skipped.append(name)
     return found
+
+
+def _state_at(name: str, value: Any) -> list[tuple[str, Any]]:
+    if _restorable(value):
+        return [(name, value)]
+    if isinstance(value, (list, tuple)) and len(value) <= 256:
+        return [(f"{name}[{i}]", v) for i, v in enumerate(value) if _restorable(v)]
+    if isinstance(value, dict) and len(value) <= 256:
+        return [(f"{name}[{k!r}]", v) for k, v in list(value.items()) if _restorable(v)]
+    return []
+
+
+def _restorable(value: Any) -> bool:
+    """State found in the namespace that a snapshot can copy: tensors only when plain and strided
+    (type() first: a tensor subclass's own ``__torch_function__`` may raise on any attribute)."""
+    if not inspectable(value) or not is_state(value):
+        return False
+    if isinstance(value, torch.Tensor):
+        return type(value) in (torch.Tensor, nn.Parameter) and value.layout == torch.strided \
+            and not value.is_nested and value.device.type != "meta"
+    return True
 
 
 def _order(item: tuple[str, Any]) -> int:
