@@ -55,6 +55,9 @@ def ipython() -> Any:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    # Browser tests last: playwright's sync API keeps an asyncio loop running in the main thread for
+    # the rest of the session, which changes what any later test sees (asyncio.get_running_loop()).
+    items.sort(key=lambda item: "browser" in item.keywords)  # stable: the order within each group stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

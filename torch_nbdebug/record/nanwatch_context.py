@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol
 
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
+from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
 from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
@@ -117,3 +118,28 @@ def report_op(ctx: WatchContext, site: Site, verdict: Verdict, kind: Kind, input
         extra.update(lr=grown[0], lr_step=grown[1])
     return site_event(site, verdict, inputs, output, kind, iteration, **extra)
 
+
+class NodeChecks(Protocol):
+    """What a backward-node hook needs of the immediate or the deferred checks."""
+
+    ctx: "WatchContext"
+
+    def node_done(self, key: int, grad_inputs: Any) -> None: ...
+
+
+class NodeDone:
+    """Autograd node post hook, for both paths: hands the gradients the node produced to its checks
+    (returns None, so the gradients are unchanged; our own failures are noted, never raised)."""
+
+    __slots__ = ("checks", "key")
+
+    def __init__(self, checks: NodeChecks, key: int) -> None:
+        self.checks, self.key = checks, key
+
+    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        try:
+            self.checks.node_done(self.key, grad_inputs)
+        except NanBirthError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
+            self.checks.ctx.internal_error("a backward node's gradients", exc)

@@ -17,11 +17,10 @@ from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 
-from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb,
                                                   judge_gradient, judge_module)
-from torch_nbdebug.record.nanwatch_context import WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
 from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
 from torch_nbdebug.record.tensors import storage_key
@@ -107,7 +106,7 @@ class DeferredChecks:
         if key != self._hooked:
             self._hooked = key
             self._node_outs = set()
-            self.ctx.keep_handle(node.register_hook(_NodeDone(self, key)))
+            self.ctx.keep_handle(node.register_hook(NodeDone(self, key)))
 
     def node_done(self, key: int, grad_inputs: Any) -> None:
         """Queue what the node's gradients are: flags of its own queued outputs, else new sums."""
@@ -243,19 +242,3 @@ def read_all(pending: list[Pending]) -> list[tuple[list[bool], list[bool], list[
             result[i] = ([not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums])
     return result
 
-
-class _NodeDone:
-    """Autograd node post hook: queues the flags of the gradients the node produced."""
-
-    __slots__ = ("checks", "key")
-
-    def __init__(self, checks: DeferredChecks, key: int) -> None:
-        self.checks, self.key = checks, key
-
-    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        try:
-            self.checks.node_done(self.key, grad_inputs)
-        except NanBirthError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.checks.ctx.internal_error("a backward node's gradients", exc)

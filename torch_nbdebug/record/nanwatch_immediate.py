@@ -12,10 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import InputFact, OpFacts, OpPhase, judge, judge_absorb
-from torch_nbdebug.record.nanwatch_context import WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch_events import node_input_producer, producer, stats_of
 from torch_nbdebug.record.stats import summarize
 from torch_nbdebug.record.tensors import storage_key
@@ -67,7 +66,7 @@ class ImmediateChecks:
         """A backward birth counts only once a non-finite gradient leaves its node (a post hook decides)."""
         key = id(node)
         if self.ctx.log.hold(key, event):
-            self.ctx.keep_handle(node.register_hook(_NodeDone(self, key)))
+            self.ctx.keep_handle(node.register_hook(NodeDone(self, key)))
 
     def node_done(self, key: int, grad_inputs: Any) -> None:
         with self.ctx.quiet():
@@ -94,19 +93,3 @@ def _confirmed(t: torch.Tensor, total: float) -> float:
         return 0.0
     return total
 
-
-class _NodeDone:
-    """Autograd node post hook: reads the gradients the node produced (returns None: unchanged)."""
-
-    __slots__ = ("checks", "key")
-
-    def __init__(self, checks: ImmediateChecks, key: int) -> None:
-        self.checks, self.key = checks, key
-
-    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        try:
-            self.checks.node_done(self.key, grad_inputs)
-        except NanBirthError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.checks.ctx.internal_error("a backward node's gradients", exc)
