@@ -126,3 +126,22 @@ def run_body(shell: Any, cell: "str | CellBody", magic: str = "") -> Any:
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     body = cell if isinstance(cell, CellBody) else CellBody(shell, cell, magic)
     return body.run()
+
+
+def keep_report(shell: Any, key: str, report: Any, args: Any, failed: bool, show: Callable[[Any], Any]) -> None:
+    """Store a recording magic's report as ``key`` in the user namespace and show it: always when the
+    cell failed (the report is why the user ran it), else unless ``-q`` or ``-o`` (which returns it)."""
+    shell.user_ns[key] = report
+    if not args.quiet and (failed or not args.return_report):
+        show(report)
+
+
+def show_last(report: Any, args: Any, magic: str, purpose: str, show: Callable[[Any], Any]) -> Any:
+    """``%magic`` without a cell: the last report again (returned with ``-o``), or what to write."""
+    if report is None:
+        raise UsageError(f"%{magic}: no report yet. Put %%{magic} (two %) on the first line of a cell "
+                         f"to {purpose}")
+    if args.return_report:
+        return report
+    show(report)
+    return None

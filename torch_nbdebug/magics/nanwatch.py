@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, parse_args, require_body, run_body, usage_errors
+from torch_nbdebug.magics._common import (CellBody, keep_report, parse_args, require_body, run_body, show_last,
+                                          usage_errors)
 
 
 @magics_class
@@ -57,22 +57,13 @@ class NanwatchMagics(Magics):
                 value = run_body(self.shell, body)
             failed = False
         finally:
-            self.shell.user_ns["_nanwatch"] = report
-            if not args.quiet and (failed or not args.return_report):
-                display(report)
+            keep_report(self.shell, "_nanwatch", report, args, failed, display)
         if value is not None:
             display(value)
         return report if args.return_report else None
 
     def _show_last(self, args: Any) -> Any:
-        report = last_report()
-        if report is None:
-            raise UsageError("%nanwatch: no report yet. Put %%nanwatch (two %) on the first line of a cell "
-                             "to run that cell under the watch")
-        if args.return_report:
-            return report
-        display(report)
-        return None
+        return show_last(last_report(), args, "nanwatch", "run that cell under the watch", display)
 
 
 MAGICS = NanwatchMagics

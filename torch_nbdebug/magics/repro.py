@@ -1,17 +1,16 @@
 """``%%repro``: run the cell twice from the same state and say whether, where and why the runs differ."""
 from __future__ import annotations
 
-import ast
 from typing import Any, Optional
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.repro import ReproReport, last_report, run_twice
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import parse_args, require_body, run_body, usage_errors
+from torch_nbdebug.magics._common import (CellBody, keep_report, parse_args, require_body, run_body, show_last,
+                                          usage_errors)
 
 
 @magics_class
@@ -43,8 +42,8 @@ class ReproMagics(Magics):
         args = parse_args(self.repro, line)
         if cell is None:
             return self._show_last(args)
-        body = require_body(cell, "repro")
-        _check_syntax(self.shell, body)
+        # syntax, an empty cell and a top-level await are checked before anything runs (compiled once)
+        body = CellBody(self.shell, require_body(cell, "repro"), "repro")
         failed, previous = True, last_report()
         report: Optional[ReproReport] = None
         try:
@@ -56,33 +55,13 @@ class ReproMagics(Magics):
         finally:
             report = report or last_report()
             if report is not None and report is not previous:
-                self.shell.user_ns["_repro"] = report
-                if not args.quiet and (failed or not args.return_report):
-                    display(report)
+                keep_report(self.shell, "_repro", report, args, failed, display)
         if value is not None:
             display(value)
         return report if args.return_report else None
 
     def _show_last(self, args: Any) -> Any:
-        report = last_report()
-        if report is None:
-            raise UsageError("%repro: no report yet. Put %%repro (two %) on the first line of a cell to run "
-                             "that cell twice and compare")
-        if args.return_report:
-            return report
-        display(report)
-        return None
-
-
-def _check_syntax(shell: Any, body: str) -> None:
-    """A syntax error (or a cell of comments) is reported before anything runs."""
-    try:
-        tree = ast.parse(shell.transform_cell(body))
-    except SyntaxError as exc:
-        raise UsageError(f"%%repro: the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    if not tree.body:
-        raise UsageError("%%repro: the cell has no code to run (only comments): put the code to compare "
-                         "under the %%repro line")
+        return show_last(last_report(), args, "repro", "run that cell twice and compare", display)
 
 
 MAGICS = ReproMagics
