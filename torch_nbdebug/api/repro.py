@@ -43,6 +43,9 @@ class ReproReport(Displayable):
     hint = property(lambda self: self.summary.hint, doc="the fix")
     preflight = property(lambda self: self.summary.preflight, doc="settings that decide determinism")
     notes = property(lambda self: self.summary.notes)
+    uninitialized = property(lambda self: self.summary.uninitialized,
+                             doc="the first op that read memory before it was written (ReproOp), even when the "
+                                 "runs agreed by chance, or None")
 
     @property
     def nondeterministic_ops(self) -> tuple[NondeterministicUse, ...]:
@@ -225,7 +228,25 @@ def _compare(run1: ReproRecorder, run2: ReproRecorder, comparator: _Comparator, 
         d, cause = changed, explain(changed, run1.traces, run2.traces, context["restore_rng"])
         if first is not None:
             first = dataclasses.replace(first, input=f"{changed.detail}: changed outside torch's ops, not restored")
-    return summarize(d, cause, first, ops=(len(run1.traces), compared), **_common(run1, context, notes))
+    uninit = _uninitialized_read(run2)
+    if uninit is not None and (cause != "uninitialized"):
+        where = f"line {uninit.lineno} ({uninit.op})" if uninit.lineno else uninit.op
+        agreed = "the runs agreed by chance there" if d is None or d.index > uninit.index else "not the first difference"
+        notes.append(f"{where} read memory that {uninit.allocated_at or 'a torch.empty-like op'} allocated and "
+                     f"nothing wrote before: its values are whatever the allocator handed back ({agreed}); "
+                     f"allocate it with torch.zeros or write it before reading")
+    return summarize(d, cause, first, ops=(len(run1.traces), compared), uninitialized=uninit,
+                     **_common(run1, context, notes))
+
+
+def _uninitialized_read(run2: ReproRecorder) -> Optional[ReproOp]:
+    """The first op of the second run that read uninitialized memory, with its place and the allocation's."""
+    for index, trace in enumerate(run2.traces):
+        if trace.reads_uninitialized is not None:
+            d = Divergence(index, "output")
+            first = _first(d, run2, run2)
+            return dataclasses.replace(first, max_abs_diff=None, kind="output") if first is not None else None
+    return None
 
 
 def _first(d: Divergence, run1: ReproRecorder, run2: ReproRecorder) -> Optional[ReproOp]:

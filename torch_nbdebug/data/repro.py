@@ -182,6 +182,9 @@ class ReproSummary:
     state: tuple[str, ...] = ()         # what was snapshotted and restored before run 2
     restore_rng: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The first op (of the second run) that read memory a torch.empty-like op allocated before anything
+    # wrote it - reported even when both runs happened to agree, since garbage can match by chance.
+    uninitialized: Optional[ReproOp] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
