@@ -1,19 +1,22 @@
-"""Cost of record_gradients on a GPT-2-small-like training step, against anchors run side by side.
+"""Cost of record_gradients on a GPT-2-small-like and a 2-layer GPT training step, against anchors run side by side.
 
+Each timed call is a block of 3 AdamW steps (zero_grad, forward, cross-entropy, backward, step).
 Variants, interleaved within every repeat (the machine is shared, so only ratios measured in the
 same run mean anything; medians of repeats; CPU time of the process, which other processes on a
 busy machine disturb far less than wall time):
 
-- ``plain``: zero_grad, forward, cross-entropy, backward, AdamW step;
-- ``foreach_norm``: plain + ``torch._foreach_norm`` over all gradients (the cheapest useful anchor);
+- ``plain``: the 3 steps;
+- ``foreach_norm``: plain + one ``torch._foreach_norm`` over all gradients per step, read on the host
+  (the cheapest useful anchor);
 - ``naive``: plain + per-parameter norm and 64-bin ``histc``, each read with ``.item()``/``.tolist()``
   (what a hand-written logger does; one host sync per parameter);
-- ``record``: plain inside ``record_gradients(model)`` (default sample=4096, 64 bins), steady state;
-  ``record_first``: the first step of a block, which is also recorded at the end of its backward
-  (until an optimizer has stepped, a step is a backward pass).
+- ``record``: the 3 steps inside ``record_gradients(model)`` (default sample=4096, 64 bins), entering
+  and leaving the block included: the exact statistics of the last step and the trace the view shows.
 
-The one-off costs of entering and leaving the block (the exact recomputation of the last step
-over every element) are printed separately. Run: ``.venv/bin/python bench/bench_grads.py [--quick]``.
+The small model (d=64, sequence of 32) is the CPU stand-in for a GPU: its ops are so cheap that any
+Python work per op or per parameter shows, as it would next to microsecond kernels.
+Targets (issue 11): record <= 1.10x on GPT-2-small-like, <= 1.5x on the small model.
+Run: ``.venv/bin/python bench/bench_grads.py [--quick] [--model small|gpt2|both]``.
 """
 from __future__ import annotations
 
@@ -25,33 +28,30 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import models  # noqa: E402
 from models import GPT, lm_loss, training_step  # noqa: E402
-from timing import Timings, clock  # noqa: E402
+from timing import interleave  # noqa: E402
 from torch_nbdebug.api.grads import record_gradients  # noqa: E402
-from torch_nbdebug.record.grads_stats import Sampler, sampled_rows  # noqa: E402
+
+STEPS = 3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and a shorter sequence")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    repeats = args.repeats or (3 if args.quick else 7)
-    seq = args.seq or (32 if args.quick else 64)
-    model = GPT(vocab=50257, tied=True, fused_attention=True)  # GPT-2's vocabulary, tied head: 124M parameters
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    idx = torch.randint(0, 50257, (args.batch, seq))
+def small_gpt() -> nn.Module:
+    """The shared 2-layer GPT when bench/models.py has it, else the same model built here."""
+    make = getattr(models, "small_gpt", None)
+    return make() if make is not None else GPT(vocab=512, d=64, layers=2, heads=4, ctx=64)
+
+
+def variants(model: nn.Module, idx: torch.Tensor) -> dict[str, Callable[[], None]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = list(model.parameters())
-    n = sum(p.numel() for p in params)
 
-    def step(after_backward: Callable[[], None] = lambda: None) -> None:
-        training_step(opt, lambda: lm_loss(model, idx, idx), after_backward)
+    def steps(after_backward: Callable[[], None] = lambda: None) -> None:
+        for _ in range(STEPS):
+            training_step(opt, lambda: lm_loss(model, idx, idx), after_backward)
 
     def norms() -> None:
         torch.stack(torch._foreach_norm([p.grad for p in params])).cpu()
@@ -61,48 +61,67 @@ def main() -> None:
             p.grad.norm().item()
             torch.histc(p.grad, 64).tolist()
 
-    names = ("plain", "foreach_norm", "naive", "record", "record_first")
-    timings = Timings(names)
-    enter_exit: list[float] = []
-    sampler = Sampler(params, 4096)
-    present = tuple(range(len(params)))
-
-    def record_work() -> None:
-        """What the recorder adds to one step, alone: gather w, all statistics, gather w again."""
-        sampler.gather(params, present, params[0].device)
-        out = sampled_rows(params, present, sampler, 64)
-        sampler.gather(params, present, params[0].device)
-        out["raw"].cpu()
-
-    work: list[float] = []
-    step()  # warm up allocator and AdamW state
-    for _ in range(repeats):
-        work.append(clock(record_work)[0].cpu)
-        timings.time("plain", step)
-        timings.time("foreach_norm", lambda: step(norms))
-        timings.time("naive", lambda: step(naive))
-        c0 = time.process_time()
+    def record() -> None:
         with record_gradients(model, name="gpt") as rec:
-            c1 = time.process_time()
-            timings.time("record_first", step)  # the first step of a block is also recorded at its backward's end
-            timings.time("record", step)
-            c2 = time.process_time()
-        enter_exit.append(time.process_time() - c2 + c1 - c0)
-    assert len(rec.steps) == 2 and rec.trace.step_kind == "optimizer"
-    assert rec.layer("gpt.blocks.0.c_attn").norm > 0  # real gradients, not an all-zero degenerate loss
-    print(f"GPT-2-small-like: {n / 1e6:.1f}M parameters in {len(params)} tensors, batch {args.batch}, "
-          f"seq {seq}, 1 thread, {repeats} interleaved repeats, medians")
-    print("  CPU time of this process is the measure (the machine is shared; wall time shown for reference)")
-    print("  (min: the least disturbed repeat; contention only ever adds time)")
+            steps()
+        assert len(rec.steps) == STEPS and rec.trace.step_kind == "optimizer"
+
+    return {"plain": steps, "foreach_norm": lambda: steps(norms), "naive": lambda: steps(naive), "record": record}
+
+
+def phases(fns: dict[str, Callable[[], None]], model: nn.Module, repeats: int) -> dict[str, float]:
+    """Median CPU seconds of entering the block, of its steps, and of leaving it (the exact last step,
+    the flush of the kept steps, the trace and its flags), next to the same steps unrecorded."""
+    samples: dict[str, list[float]] = {"plain steps": [], "enter": [], "recorded steps": [], "exit": []}
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fns["plain"]()
+        t1 = time.process_time()
+        rec = record_gradients(model, name="gpt")
+        rec.__enter__()
+        t2 = time.process_time()
+        fns["plain"]()
+        t3 = time.process_time()
+        rec.__exit__(None, None, None)
+        t4 = time.process_time()
+        for key, value in zip(samples, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            samples[key].append(value)
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def measure(label: str, model: nn.Module, vocab: int, seq: int, repeats: int) -> None:
+    idx = torch.randint(0, vocab, (2, seq))
+    n = sum(p.numel() for p in model.parameters())
+    fns = variants(model, idx)
+    timings = interleave(fns, repeats, warmup=1, alternate=True)
     base = timings.summary("plain")
-    for name in names:
-        s = timings.summary(name)
-        print(f"  {name:<13} cpu median {s.cpu * 1e3:8.1f} ms/step ratio {s.cpu / base.cpu:5.3f}x | "
-              f"cpu min ratio {s.cpu_min / base.cpu_min:5.3f}x | wall median ratio {s.wall / base.wall:5.3f}x")
-    print(f"  recorder work alone on the same gradients: cpu {statistics.median(work) * 1e3:.1f} ms = "
-          f"{statistics.median(work) / base.cpu:.3f} of a plain step")
-    print(f"  record_gradients enter+exit (once per block, includes the exact last step): "
-          f"cpu {statistics.median(enter_exit) * 1e3:.0f} ms")
+    print(f"{label}: {n / 1e6:.2f}M parameters in {len(list(model.parameters()))} tensors, batch 2, seq {seq}, "
+          f"{STEPS} AdamW steps per call, {timings.repeats('plain')} interleaved repeats, medians")
+    for name, s in timings.summaries().items():
+        print(f"  {name:<13} cpu median {s.cpu * 1e3:8.1f} ms  ratio {s.cpu / base.cpu:5.2f}x | "
+              f"cpu min ratio {s.cpu_min / base.cpu_min:5.2f}x | wall median ratio {s.wall / base.wall:5.2f}x",
+              flush=True)
+    split = phases(fns, model, max(3, repeats // 3))
+    plain = split["plain steps"]
+    print("  record, by phase (cpu medians): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()) +
+          f"; steps while recording {split['recorded steps'] / plain:.2f}x plain, "
+          f"enter+exit {(split['enter'] + split['exit']) / plain:.2f} plain blocks")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, a shorter GPT-2 sequence")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--model", choices=("small", "gpt2", "both"), default="both")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.model in ("small", "both"):
+        measure("2-layer GPT (d=64)", small_gpt(), 512, 32, args.repeats or (15 if args.quick else 41))
+    if args.model in ("gpt2", "both"):
+        model = GPT(vocab=50257, tied=True, fused_attention=True)  # GPT-2's vocabulary, tied head: 124M parameters
+        measure("GPT-2-small-like", model, 50257, 32 if args.quick else 64, args.repeats or (3 if args.quick else 5))
+
 
 if __name__ == "__main__":
     main()

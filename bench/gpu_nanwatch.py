@@ -4,10 +4,11 @@
 
 1. Births found on the GPU: a forward log of negatives in a module, sqrt's infinite gradient at 0
    in backward, float16 overflow, and a causal mask's -inf that must stay quiet.
-2. Host synchronisations during one watched step (torch.cuda.set_sync_debug_mode counts them):
-   the deferred path reads flags once per top-level forward and once per optimizer step.
-3. Step time of a GPT-2-small-like model (12 blocks, d=768), timed with torch.cuda.synchronize,
-   interleaved: plain, detect_anomaly, detect_anomaly(check_nan=True), nanwatch, nanwatch module mode.
+2. Host synchronisations per training step of the 2-layer GPT beyond the plain step's
+   (torch.cuda.set_sync_debug_mode counts them): the deferred path reads once per step (target <= 1).
+3. Step time of a GPT-2-small-like model (12 blocks, d=768) and of the 2-layer GPT (d=64), timed with
+   torch.cuda.synchronize, interleaved: plain, detect_anomaly, detect_anomaly(check_nan=True), nanwatch,
+   nanwatch module mode.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nanwatch import watchers  # noqa: E402
-from models import GPT, lm_loss, training_step  # noqa: E402
+from models import GPT, lm_loss, small_gpt, training_step  # noqa: E402
 from timing import interleave  # noqa: E402
 from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
 
@@ -67,29 +68,45 @@ def check_births(dev: str) -> list[str]:
     return failures
 
 
-def count_syncs(dev: str) -> int:
-    """Host synchronisations in one watched training step of a small GPT (warnings from sync debug mode)."""
-    gpt = GPT(vocab=512, d=64, layers=4, heads=4).to(dev)
-    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
-    idx = torch.randint(0, 512, (2, 32), device=dev)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with nanwatch(namespace={"gpt": gpt}):
-                F.cross_entropy(gpt(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
-                opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
-
-
-def time_steps(dev: str, repeats: int, batch: int, seq: int) -> dict[str, float]:
+def count_syncs(dev: str, mode: str) -> tuple[int, int]:
+    """Host synchronisations in one training step of the 2-layer GPT (warnings of sync debug mode):
+    (plain step, watched step), each counted on a step after a first one (AdamW's state exists)."""
     torch.manual_seed(0)
-    model = GPT().to(dev)
+    gpt = small_gpt().to(dev)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
+    idx = torch.randint(0, 512, (4, 33), device=dev)
+
+    def step() -> None:
+        training_step(opt, lambda: lm_loss(gpt, idx[:, :-1], idx[:, 1:]))
+
+    def counted() -> int:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+    step()
+    plain = counted()
+    with nanwatch(mode=mode, namespace={"gpt": gpt}):
+        step()
+        watched = counted()
+    return plain, watched
+
+
+def time_steps(dev: str, case: str, repeats: int) -> dict[str, float]:
+    """Median step time per watcher: the GPT-2-small-like model (batch 8, seq 255) or the 2-layer GPT
+    (batch 4, seq 32), interleaved, timed with torch.cuda.synchronize."""
+    torch.manual_seed(0)
+    if case == "gpt2":
+        model, idx = GPT().to(dev), torch.randint(0, 8192, (8, 256), device=dev)
+    else:
+        model, idx = small_gpt().to(dev), torch.randint(0, 512, (4, 33), device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    idx = torch.randint(0, 8192, (batch, seq), device=dev)
     modes = watchers({"model": model, "opt": opt})
 
     def step(mode: str) -> Callable[[], None]:
@@ -113,12 +130,16 @@ def main() -> int:
     t0 = time.perf_counter()
     failures = check_births(dev)
     print("births on CUDA:", "all found" if not failures else "FAILED: " + "; ".join(failures))
-    print(f"host syncs in one watched step (4-block GPT, fwd+bwd+AdamW): {count_syncs(dev)}")
-    medians = time_steps(dev, repeats=5, batch=8, seq=256)
-    base = medians["plain"]
-    print("GPT-2-small-like step on CUDA (batch 8, seq 255), median of 5 interleaved:")
-    for mode, t in medians.items():
-        print(f"  {mode:16s} {t * 1e3:8.1f} ms   {t / base:5.2f}x")
+    for mode in ("op", "module"):
+        plain, watched = count_syncs(dev, mode)
+        print(f"host syncs per training step (2-layer GPT, fwd+bwd+AdamW), nanwatch mode={mode}: "
+              f"{watched - plain} beyond the plain step's {plain} (target: at most 1)")
+    columns = {"gpt2": time_steps(dev, "gpt2", repeats=5), "small": time_steps(dev, "small", repeats=15)}
+    print("step time on CUDA, median of interleaved repeats, ratio to the plain step:")
+    print(f"  {'':16s} {'GPT-2-small-like (b8, seq 255)':>32s} {'2-layer GPT (b4, seq 32)':>28s}")
+    for mode in columns["gpt2"]:
+        cells = [f"{c[mode] * 1e3:9.2f} ms {c[mode] / c['plain']:5.2f}x" for c in columns.values()]
+        print(f"  {mode:16s} {cells[0]:>32s} {cells[1]:>28s}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 1 if failures else 0
 

@@ -1,5 +1,5 @@
-"""Models shared by the benchmarks: a GPT-2-small-like transformer, a small MLP, a small CNN, and the
-training step every benchmark times.
+"""Models shared by the benchmarks: a GPT-2-small-like transformer, a 2-layer GPT, a small MLP, a small
+CNN, and the training step every benchmark times.
 
 Not a benchmark itself (``./dev bench`` runs every ``bench/*.py``; this one only defines helpers).
 The benchmark scripts import it as ``from models import ...``: Python puts a script's own directory
@@ -66,6 +66,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def small_gpt(vocab: int = 512, d: int = 64, layers: int = 2, heads: int = 4, ctx: int = 64) -> GPT:
+    """A 2-layer GPT (d=64): each op is cheap, so per-op Python work dominates its step, as on a GPU.
+
+    The CPU stand-in for the GPU regime: a tool's overhead that hides behind GPT-2-small's slow CPU ops
+    shows here (time it with a sequence of 32 tokens)."""
+    return GPT(vocab=vocab, d=d, layers=layers, heads=heads, ctx=ctx)
 
 
 def lm_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

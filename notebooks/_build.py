@@ -29,6 +29,7 @@ from pathlib import Path
 import nbformat
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 SOURCES = HERE / "src"
 KERNEL = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 # Executing a notebook must stay fast (a course runs them on laptops); CI uses the same limit.
@@ -102,6 +103,51 @@ def _strip_volatile(nb: nbformat.NotebookNode) -> None:
         cell.metadata.pop("execution", None)
 
 
+# A path component, as it appears in tracebacks, pdb listings and the tools' JSON outputs.
+_DIRS = r"(?:/[^\s\"'/\\<>()]+)*"
+_MACHINE_PATHS = [
+    # /any/venv/lib/python3.11/site-packages/torch/... -> .../site-packages/torch/...
+    (re.compile(_DIRS + r"/(site-packages|dist-packages)/"), r".../\1/"),
+    # IPython kernel cells: /tmp/ipykernel_4242/3270359850.py -> .../ipykernel_4242/3270359850.py
+    (re.compile(_DIRS + r"/(ipykernel_\d+)/"), r".../\1/"),
+    # the interpreter's standard library: /root/.pyenv/versions/3.11.7/lib/python3.11/ -> .../lib/python3.11/
+    (re.compile(_DIRS + r"/lib/(python3\.\d+)/"), r".../lib/\1/"),
+]
+
+
+def neutral_paths(text: str, repo: Path = REPO) -> str:
+    """``text`` without this machine's paths: the repository becomes ``.``, a venv's or the system's
+    site-packages ``.../site-packages``, kernel cell files ``.../ipykernel_N/...``, the stdlib
+    ``.../lib/python3.X`` (a committed notebook shows what every reader would see, not our disk)."""
+    for pattern, replacement in _MACHINE_PATHS:  # first: a venv may live inside the repository
+        text = pattern.sub(replacement, text)
+    return text.replace(str(repo) + "/", "./").replace(str(repo), ".")
+
+
+_BASE64_MIME = {"image/png", "image/jpeg", "image/gif", "image/webp"}
+
+
+def _neutral(value: object, repo: Path) -> object:
+    if isinstance(value, str):
+        return neutral_paths(value, repo)
+    if isinstance(value, list):
+        return [_neutral(item, repo) for item in value]
+    if isinstance(value, dict):
+        return {neutral_paths(key, repo): value[key] if key in _BASE64_MIME else _neutral(value[key], repo)
+                for key in value}
+    return value
+
+
+def strip_machine_paths(nb: nbformat.NotebookNode, repo: Path = REPO) -> None:
+    """Rewrite every output (streams, tracebacks, every text and JSON MIME type; base64 images untouched)
+    and the widget state nbclient stores in the notebook's metadata."""
+    for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [nbformat.from_dict(_neutral(dict(out), repo)) for out in cell.outputs]
+    if "widgets" in nb.metadata:
+        nb.metadata["widgets"] = nbformat.from_dict(_neutral(dict(nb.metadata["widgets"]), repo))
+
+
 def keep_static_views(nb: nbformat.NotebookNode) -> int:
     """Drop live-widget views that come with a static view; return how many were dropped.
 
@@ -118,6 +164,13 @@ def keep_static_views(nb: nbformat.NotebookNode) -> int:
             if WIDGET_MIME in data and ({"text/html", "image/svg+xml", "image/png"} & set(data)):
                 del data[WIDGET_MIME]
                 dropped += 1
+    # Figures as their own image/png outputs: every sanitizer keeps those (nbconvert's escapes an <img>
+    # inside text/html; front ends prefer text/html over an image/png in the same output).
+    from torch_nbdebug.render.bundle import split_figures
+
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(part) for out in cell.outputs for part in split_figures(dict(out))]
     return dropped
 
 
@@ -133,6 +186,7 @@ def build(names: list[str], run: bool) -> list[Path]:
             execute(nb)
             _strip_volatile(nb)
             keep_static_views(nb)
+            strip_machine_paths(nb)
             print(f"{target.name}: executed in {time.perf_counter() - start:.1f} s", flush=True)
         nbformat.validate(nb)
         nbformat.write(nb, target)

@@ -205,7 +205,7 @@ def test_html_escapes_module_names_and_ships_static_images() -> None:
     report = grads(model, name="m")
     page = report.html()
     assert "<b>x</b>" not in page and "m.&lt;b&gt;x&lt;/b&gt;" in page
-    assert '<svg class="tnd-flow"' in page and '<svg class="tnd-hist"' in page
+    assert 'class="tnd-figure tnd-flow"' in page and 'class="tnd-figure tnd-hist"' in page
     assert "m.<b>x</b>" in report.text()
 
 

@@ -55,7 +55,7 @@ def test_line_magic_shows_text_html_and_widget(ip: Any) -> None:
     data = cap.outputs[0].data
     assert {"text/plain", "text/html", WIDGET} <= set(data)
     assert "net.0" in data["text/plain"] and "net.2" in data["text/plain"]
-    assert '<svg class="tnd-flow"' in data["text/html"]
+    assert 'class="tnd-figure tnd-flow"' in data["text/html"]
 
 
 def test_line_magic_returns_the_report_with_o(ip: Any) -> None:
@@ -71,7 +71,7 @@ def test_cell_magic_records_every_step(ip: Any) -> None:
     data = cap.outputs[0].data
     assert {"text/plain", "text/html", WIDGET} <= set(data)
     assert "3 of 3 optimizer steps" in data["text/plain"]
-    assert 'class="tnd-heatmap"' in data["text/html"] and "data:image/png;base64," in data["text/html"]
+    assert 'class="tnd-figure tnd-heatmap"' in data["text/html"] and "data:image/png;base64," in data["text/html"]
     res = ip.run_cell_magic("grads", "-o -a net", LOOP)
     assert res.steps == (0, 1, 2) and res.layer(1).activation is not None
 

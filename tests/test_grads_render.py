@@ -1,7 +1,8 @@
-"""Static views and aggregates of a GradTrace built by hand (no model): heatmap, flow plot, flags."""
+"""Static views and aggregates of a GradTrace built by hand (no model): heatmap, flow picture, flags."""
 from __future__ import annotations
 
 import base64
+import io
 import re
 import struct
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from torch_nbdebug.api.grads import GradReport
 from torch_nbdebug.data.grads import FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
-from torch_nbdebug.process.grads import layer_arrays, layer_for_module, step_flags
+from torch_nbdebug.process.grads import layer_arrays, layer_for_module, norm_heatmap, step_flags
 from torch_nbdebug.render import grads as render
 
 
@@ -39,11 +40,26 @@ def _trace(steps: int, layers: int, bins: int = 8, seed: int = 0) -> GradTrace:
                      np.ones((steps, len(params)), bool), tuple(range(steps)), hist, hist_range, step_kind="optimizer")
 
 
-def _png_size(html: str) -> tuple[int, int]:
-    data = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html).group(1))
+def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     return width, height
+
+
+def _figure(html: str, cls: str) -> tuple[bytes, str]:
+    """The PNG and alt text of the static view's ``<img class="tnd-figure {cls}">``."""
+    found = re.search(rf'<img class="tnd-figure {cls}" src="data:image/png;base64,([A-Za-z0-9+/=]+)" alt="([^"]*)"', html)
+    assert found, f"no {cls} picture in the static view"
+    return base64.b64decode(found.group(1)), found.group(2)
+
+
+def _pixels_of(data: bytes, colour: str) -> int:
+    """How many pixels of the PNG have exactly this #rrggbb colour."""
+    from matplotlib.image import imread
+
+    rgb = (imread(io.BytesIO(data), format="png")[..., :3] * 255).round().astype(int)
+    want = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return int((rgb == want).all(axis=-1).sum())
 
 
 def test_layer_aggregates_combine_parameters() -> None:
@@ -67,14 +83,19 @@ def test_growth_over_steps_is_flagged_as_exploding() -> None:
 
 
 def test_heatmap_png_has_one_pixel_per_cell_and_is_downsampled_for_long_runs() -> None:
-    html = render.html(_trace(steps=30, layers=5), ())
-    assert _png_size(html) == (30, 5)
+    trace = _trace(steps=30, layers=5)
+    assert _png_size(base64.b64decode(render.heatmap_png(norm_heatmap(trace)))) == (30, 5)
+    assert render.heatmap_rgb(norm_heatmap(trace))[0].shape == (5, 30, 3)
+    _, alt = _figure(render.html(trace, ()), "tnd-heatmap")
+    assert "5 layers" in alt and "by 30 steps" in alt
     start = time.perf_counter()
     long = _trace(steps=1000, layers=40, bins=4)
     report = GradReport(long)
     page, view, text = report.html(), report.widget(), report.text()
     assert time.perf_counter() - start < 30  # seconds, on a busy shared machine: minutes would be a bug
-    assert _png_size(page) == (400, 40)
+    assert render.heatmap_rgb(norm_heatmap(long))[0].shape == (40, 400, 3)  # buckets of steps
+    data, alt = _figure(page, "tnd-heatmap")
+    assert "40 layers" in alt and "by 1000 steps" in alt and len(data) < 80_000
     assert len(view.flow) == 1000 * 40 * 4 * 4 and "1000 of 1000 optimizer steps" in text
 
 
@@ -85,11 +106,13 @@ def test_flow_plot_colours_flagged_layers_and_escapes_names() -> None:
                                                       trace.layers[2])})
     report = GradReport(trace)
     assert report.start_layer == 1
-    svg = render.flow_svg(trace, 0, report.flags)
     colour = render.FLAG_COLOURS["exploding"]
-    assert svg.count(f'fill="{colour}" fill-opacity') == 2  # its max and mean bars
-    assert f'fill="{colour}">!</text>' in svg  # and the marker under it
-    assert "m.&lt;l1&gt; (Linear)" in svg and "<l1>" not in svg
+    assert _pixels_of(render.flow_png(trace, 0, report.flags), colour) > 100  # its bar, in the flag's colour
+    assert _pixels_of(render.flow_png(trace, 0, ()), colour) == 0  # unflagged: the usual blue only
+    assert "#1 m.<l1> (exploding)" in render.flow_alt(trace, 0, report.flags)  # the picture says it in words
+    page = render.html(trace, report.flags)
+    _, alt = _figure(page, "tnd-flow")
+    assert "#1 m.&lt;l1&gt; (exploding)" in alt and "<l1>" not in page
 
 
 def test_png_rows_decode_to_the_colour_scale() -> None:

@@ -166,14 +166,15 @@ def test_graph_data_round_trips_through_json() -> None:
         data.node("nope")
 
 
-def test_module_level_view_keeps_long_repeats_closed() -> None:
+def test_module_level_view_keeps_repeats_closed() -> None:
     data = _blocks(12)
     hier = pg.build_hierarchy(data)
     opened = pg.expand_modules(hier)
     assert "m:model" in opened and "m:model.blocks" not in opened
     assert "m:model.blocks.3" in opened  # already open at module level once the user opens blocks
-    short = pg.build_hierarchy(_blocks(3))
-    assert "m:model.blocks" in pg.expand_modules(short)
+    short = pg.build_hierarchy(_blocks(3))  # a short repeat too: one `blocks.0..2 ×3 Block` box to open
+    assert "m:model.blocks" not in pg.expand_modules(short)
+    assert _shown(_blocks(3), short, pg.expand_modules(short)) == {"m:model.embed", "m:model.blocks", "m:model.head"}
 
 
 def test_long_edges_run_in_their_own_lane() -> None:

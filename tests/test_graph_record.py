@@ -254,7 +254,10 @@ def test_model_with_inputs_records_modules_and_keeps_user_tensors_untouched() ->
     assert not x.requires_grad and not model.training
     assert [n.label for n in g.data.nodes if n.kind == "input"] == ["x"]
     shown = g.shown()
-    assert "m:model.layer1.0.conv1" in shown  # module level: leaf modules shown as boxes
+    assert "m:model.layer1" in shown  # module level: the two identical blocks are one repeated box
+    assert g.hierarchy.groups["m:model.layer1"].repeat == "0..1 ×2 ResBlock"
+    shown = g.expand("model.layer1").shown()
+    assert "m:model.layer1.0.conv1" in shown  # opened: its blocks at module level, leaf modules as boxes
     assert "m:model.layer1" not in shown
 
 

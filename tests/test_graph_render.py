@@ -1,6 +1,9 @@
-"""%graph rendering and magics: static SVG in the bundle, escaping, DOT, widget messages, real IPython."""
+"""%graph rendering and magics: static PNG in the bundle, SVG for the widget, escaping, DOT, widget messages,
+real IPython."""
 from __future__ import annotations
 
+import base64
+import html as html_lib
 import re
 import xml.etree.ElementTree as ET
 from typing import Any
@@ -32,17 +35,32 @@ def _svg(html: str) -> ET.Element:
     return ET.fromstring(found.group(0))  # well-formed XML: every name was escaped
 
 
-def test_bundle_has_text_static_svg_and_widget() -> None:
+def _picture(html: str) -> tuple[bytes, str]:
+    """The static view's PNG picture and its alt text."""
+    found = re.search(r'<img [^>]*src="data:image/png;base64,([^"]+)"[^>]*alt="([^"]*)"', html)
+    assert found, "no PNG picture in the static view"
+    data = base64.b64decode(found.group(1), validate=True)
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    return data, html_lib.unescape(found.group(2))
+
+
+def test_bundle_has_text_static_picture_and_widget() -> None:
     net = Net()
     g = graph(net, torch.randn(2, 4), names={"net": net})
     data = g._repr_mimebundle_()
     assert set(data) == {"text/plain", "text/html", WIDGET_MIME}
     assert "autograd nodes" in data["text/plain"]
-    svg = _svg(data["text/html"])
+    assert "<svg" not in data["text/html"] and "<style" not in data["text/html"]  # sanitizers strip both
+    _, alt = _picture(data["text/html"])
+    assert "blocks" in alt and "head" in alt  # the closed boxes, named in the alt text
+    boxes = re.search(r"<details>.*</details>", data["text/html"], re.S)
+    assert boxes and "<code>net.blocks</code>" in boxes.group(0) and "net.blocks.0.0" not in boxes.group(0)
+    svg = _svg(g.svg())  # the widget's view of the same layout
     ids = {el.get("data-id") for el in svg.iter() if el.get("data-id")}
-    assert "m:net.blocks.0.0" in ids and "m:net.head" in ids  # module level: leaf modules as boxes
-    assert "<script" not in data["text/html"] and "http://" not in data["text/html"].replace(
-        "http://www.w3.org/2000/svg", "")
+    # module level: leaf modules as boxes, the three identical blocks as one closed box
+    assert {"m:net.blocks", "m:net.head"} <= ids and "m:net.blocks.0.0" not in ids
+    assert "m:net.blocks.0.0" in {el.get("data-id") for el in ET.fromstring(g.expand("net.blocks").svg()).iter()}
+    assert "<script" not in data["text/html"] and "http://" not in data["text/html"]
 
 
 def test_user_names_are_escaped_in_svg_html_and_dot() -> None:
@@ -52,8 +70,9 @@ def test_user_names_are_escaped_in_svg_html_and_dot() -> None:
     data = GraphData(nodes=nodes, edges=(GraphEdge("n0", "n1"),), modules=(ModuleInfo(evil, evil),), title=evil)
     ex = GraphExplorer(data, expand="all")
     html = ex.html()
-    assert "<b onload" not in html
-    _svg(html)
+    assert "<b onload" not in html and "&lt;b onload=alert(1)&gt;" in html
+    assert evil in _picture(html)[1]  # the alt text names it, escaped in the attribute
+    _svg(ex.svg())
     assert 'label="' in ex.dot() and '\\"' in ex.dot()
 
 

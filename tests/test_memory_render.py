@@ -1,7 +1,8 @@
-"""%cudamem views: text, static SVG/HTML (escaped, self-contained), widget state and zoom, magics."""
+"""%cudamem views: text, static PNG/HTML (escaped, self-contained), widget state and zoom, magics."""
 from __future__ import annotations
 
 import gc
+import io
 import json
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch_nbdebug.api.memory import MemoryTimeline, memory_state, memory_timeli
 from torch_nbdebug.data.memory import Allocation, MemoryRecording
 from torch_nbdebug.process.memory import build_timeline
 from torch_nbdebug.render.bundle import WIDGET_MIME
-from torch_nbdebug.render.memory import StateView, TimelineView, fmt_bytes, timeline_svg
+from torch_nbdebug.render.memory import PHASE_COLORS, StateView, TimelineView, fmt_bytes, timeline_png
 
 
 def hostile_timeline() -> MemoryTimeline:
@@ -27,6 +28,14 @@ def hostile_timeline() -> MemoryTimeline:
     return MemoryTimeline.from_data(build_timeline(rec))
 
 
+def _colours(data: bytes) -> set[str]:
+    """The #rrggbb colours of a PNG's pixels."""
+    from matplotlib.image import imread
+
+    rgb = (imread(io.BytesIO(data), format="png")[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    return {"#%02x%02x%02x" % tuple(c) for c in np.unique(rgb, axis=0)}
+
+
 def test_fmt_bytes() -> None:
     assert [fmt_bytes(v) for v in (0, 1023, 1536, 5 << 20, 3 << 30)] == ["0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
 
@@ -36,9 +45,10 @@ def test_html_is_escaped_and_self_contained() -> None:
     html = tl.html()
     assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<b>blk" not in html
-    assert "<svg" in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
-    assert "peak 1.0 MiB" in html.replace("peak 1.0 MiB", "peak 1.0 MiB")  # peak label present
-    assert "backward" in timeline_svg(tl) and "forward" in timeline_svg(tl)
+    assert "<svg" not in html and "<style" not in html and "http://" not in html  # sanitizers strip svg/style
+    assert 'alt="memory timeline: ' in html and "peak 1.0 MiB at event" in html  # the picture, in words
+    pixels = _colours(timeline_png(tl))
+    assert {PHASE_COLORS["forward"], PHASE_COLORS["backward"]} <= pixels  # both phases shaded
 
 
 def test_mime_bundle_has_text_html_and_widget() -> None:
@@ -140,7 +150,7 @@ def test_extension_cell_shows_text_html_and_widget(ipython: Any) -> None:
     shown = [o.data for o in cap.outputs]
     assert len(shown) == 1
     assert {"text/plain", "text/html", WIDGET_MIME} <= set(shown[0])
-    assert "1.0 KiB" in shown[0]["text/plain"] and "<svg" in shown[0]["text/html"]
+    assert "1.0 KiB" in shown[0]["text/plain"] and '<img class="tnd-figure tnd-memory-figure"' in shown[0]["text/html"]
     ipython.user_ns.pop("keep", None)
     with capture_output() as cap:
         ipython.run_cell("%cudamem --device cpu --top 3")

@@ -26,6 +26,7 @@ NOTEBOOKS = ROOT / "notebooks"
 EXPECTED = [
     "00_tour", "01_reading_errors", "02_hunting_nans", "03_seeing_the_graph",
     "04_watching_gradients", "05_memory", "06_reproducibility_numerics", "07_code_that_debugs_itself",
+    "08_monitoring_training",
 ]
 TIMEOUT_S = 300          # per cell; a whole notebook is meant to take well under a minute
 NOTEBOOK_TIMEOUT_S = 480  # per notebook, kernel start included (CI shares two cores)
@@ -59,6 +60,34 @@ def _errors(cell: Any) -> list[Any]:
     return [out for out in cell.get("outputs", []) if out.output_type == "error"]
 
 
+# The course: each of these notebooks ends with an exercise (see test_course_notebook_ends_with_an_exercise).
+COURSE = EXPECTED[:8]
+_SOLUTION = "<details><summary>Solution</summary>"
+_FENCED_PYTHON = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def _solution_cells(cell: Any) -> list[str]:
+    """The code cells of a folded solution (one per fenced block of a markdown cell), or []."""
+    if cell.cell_type != "markdown" or _SOLUTION not in cell.source:
+        return []
+    return [block.strip("\n") for block in _FENCED_PYTHON.findall(cell.source)]
+
+
+def _with_solutions_run(nb: Any) -> Any:
+    """A copy of ``nb`` with each folded solution's code blocks as cells right after it, so running
+    the notebook proves every solution fixes its exercise (the solutions assert that they do)."""
+    cells = []
+    for cell in nb.cells:
+        cells.append(cell)
+        for code in _solution_cells(cell):
+            solution = nbformat.v4.new_code_cell(code)
+            solution.metadata["tags"] = ["solution"]
+            cells.append(solution)
+    copy = nbformat.from_dict(dict(nb))
+    copy.cells = cells
+    return copy
+
+
 _RSS_PROBE = (
     "import resource as _r, sys as _s\n"
     "_kb = _r.getrusage(_r.RUSAGE_SELF).ru_maxrss\n"
@@ -75,7 +104,7 @@ def test_notebook_executes_headless(name: str) -> None:
 
     path = NOTEBOOKS / f"{name}.ipynb"
     assert path.exists(), f"{path.name} is missing: run `python notebooks/_build.py --execute {name}`"
-    nb = nbformat.read(path, as_version=4)
+    nb = _with_solutions_run(nbformat.read(path, as_version=4))
     for cell in _code_cells(nb):
         cell.outputs = []
     nb.cells.append(nbformat.v4.new_code_cell(_RSS_PROBE))
@@ -164,3 +193,70 @@ def test_build_script_parses_tags_and_markdown() -> None:
     assert cells[1].source == "x = 1"
     assert cells[2].metadata["tags"] == ["raises-exception"]
     assert json.loads(nbformat.writes(nbformat.v4.new_notebook(cells=cells)))["nbformat"] == 4
+
+
+_LOCAL_PATH = re.compile(r"(?<![\w.])/(?:work|tmp|home|root)/[^\s\"'\\]*")
+
+
+@pytest.mark.parametrize("path", _notebook_paths(), ids=lambda p: p.stem)
+def test_committed_notebook_carries_no_local_paths(path: Path) -> None:
+    """A reader sees `.../site-packages/torch/...`, never where the notebook happened to be built."""
+    found = sorted(set(_LOCAL_PATH.findall(path.read_text(encoding="utf-8"))))
+    assert not found, (f"{path.name} shows local machine paths (rebuild with notebooks/_build.py, which "
+                       f"rewrites them): {found[:5]}")
+
+
+def test_build_rewrites_machine_paths_in_outputs_and_widget_state() -> None:
+    build = _load_build()
+    repo = Path("/work/checkout")
+    tb = ("File \x1b[0;32m/work/checkout/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1778\x1b[0m\n"
+          "File /root/.pyenv/versions/3.11.7/lib/python3.11/contextlib.py:158\n"
+          "> /tmp/ipykernel_7336/3428801331.py(9)forward()\n"
+          "/work/checkout/torch_nbdebug/record/explain_indices.py:86 and /home/u/env/lib/python3.12/site-packages/a.py")
+    assert build.neutral_paths(tb, repo) == (
+        "File \x1b[0;32m.../site-packages/torch/nn/modules/module.py:1778\x1b[0m\n"
+        "File .../lib/python3.11/contextlib.py:158\n"
+        "> .../ipykernel_7336/3428801331.py(9)forward()\n"
+        "./torch_nbdebug/record/explain_indices.py:86 and .../site-packages/a.py")
+    png = "iVBORw0KGgo/tmp/ipykernel_1/AAAA"  # base64 images are never rewritten
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=[
+        nbformat.v4.new_output("error", ename="E", evalue="in /tmp/ipykernel_9/1.py", traceback=[tb]),
+        nbformat.v4.new_output("display_data", data={
+            "text/plain": "cell /tmp/ipykernel_9/1.py", "image/png": png,
+            "application/json": {"line": {"filename": "/tmp/ipykernel_9/1.py"}}}),
+    ])])
+    nb.metadata["widgets"] = {"state": {"m": {"/tmp/ipykernel_9/2.py": {"filename": "/work/checkout/x.py"}}}}
+    build.strip_machine_paths(nb, repo)
+    nbformat.validate(nb)
+    error, shown = nb.cells[0].outputs
+    assert error.evalue == "in .../ipykernel_9/1.py" and "/work/" not in error.traceback[0]
+    assert shown.data["text/plain"] == "cell .../ipykernel_9/1.py" and shown.data["image/png"] == png
+    assert shown.data["application/json"]["line"]["filename"] == ".../ipykernel_9/1.py"
+    assert nb.metadata["widgets"]["state"]["m"] == {".../ipykernel_9/2.py": {"filename": "./x.py"}}
+
+
+@pytest.mark.parametrize("name", COURSE)
+def test_course_notebook_ends_with_an_exercise(name: str) -> None:
+    """Exercise heading, the broken cell (tagged raises-exception when it raises: the headless run
+    checks that it does), then its solution folded below it, with code the headless run executes."""
+    cells = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
+    heading, broken, solution = cells[-3:]
+    assert heading.cell_type == "markdown" and heading.source.startswith("## Exercise"), heading.source
+    assert broken.cell_type == "code" and broken.source.strip()
+    assert solution.cell_type == "markdown" and solution.source.startswith(_SOLUTION), solution.source
+    assert solution.source.rstrip().endswith("</details>")
+    code = "\n".join(_solution_cells(solution))
+    assert code.strip() and code.strip() != broken.source.strip(), "the solution must change the cell"
+    assert "assert" in code, "a solution checks that it fixed the exercise"
+
+
+def test_solutions_are_found_and_inserted_after_their_cell() -> None:
+    build = _load_build()
+    cells = build.parse(
+        '# %% [markdown]\n# ## Exercise\n\n# %% tags=["raises-exception"]\nraise ValueError\n\n'
+        "# %% [markdown]\n# <details><summary>Solution</summary>\n#\n# Why.\n#\n# ```python\n"
+        "# x = 1\n#\n# y = 2\n# ```\n#\n# ```python\n# assert x == 1\n# ```\n#\n# </details>\n")
+    nb = _with_solutions_run(nbformat.v4.new_notebook(cells=cells))
+    assert [c.cell_type for c in nb.cells] == ["markdown", "code", "markdown", "code", "code"]
+    assert [c.source for c in nb.cells[-2:]] == ["x = 1\n\ny = 2", "assert x == 1"]
+    assert nb.cells[-1].metadata["tags"] == ["solution"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ PROMISED = {
     ("line", "cudamem"), ("cell", "cudamem"),
     ("line", "explain"), ("cell", "explain"),
     ("cell", "repro"),
+    ("cell", "monitor"),
 }
 
 
@@ -63,7 +65,7 @@ def _registered(ip: Any, kind: str, name: str) -> bool:
 
 
 def test_every_feature_declares_magics() -> None:
-    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory", "explain", "repro"}
+    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory", "explain", "repro", "monitor"}
     for feature, cls in _magics_classes().items():
         assert any(cls.magics[kind] for kind in ("line", "cell")), f"{feature}.MAGICS declares no magic"
     missing = PROMISED - _declared()
@@ -114,6 +116,30 @@ def test_help_lists_every_option(shell: Any, capsys: Any, kind: str, name: str) 
     assert not undocumented, f"{prefix}{name}? does not show {undocumented}"
     # A description, not only a usage line.
     assert len(text.split()) > 30, f"{prefix}{name}? help is too short:\n{text}"
+
+
+_REST_MARKUP = [
+    (re.compile(r"``"), "double backticks"),
+    (re.compile(r":(param|returns?|raises?|type|rtype)\b[^:\n]*:"), "a :param:-style field"),
+    (re.compile(r":(class|func|meth|mod|attr|obj|data|exc|ref|doc):`"), "a Sphinx role"),
+    (re.compile(r"^\s*\.\. [\w-]+::", re.M), "a .. directive"),
+]
+
+
+@pytest.mark.parametrize("kind,name", sorted(PROMISED))
+def test_help_reads_as_plain_text(shell: Any, capsys: Any, kind: str, name: str) -> None:
+    """`%nanwatch?` is read in a pager or a notebook, where reST markup shows raw."""
+    shell.run_line_magic("load_ext", "torch_nbdebug")
+    prefix = "%" if kind == "line" else "%%"
+    text = _help(shell, capsys, f"{prefix}{name}?")
+    found = [f"{what}: {m.group(0)!r}" for pattern, what in _REST_MARKUP for m in pattern.finditer(text)]
+    assert not found, f"{prefix}{name}? shows raw reST markup: {found}\n{text}"
+
+
+def test_plain_text_check_finds_rest_markup() -> None:
+    sample = "Stored as ``_x``.\n:param line: the line\nSee :class:`Foo`.\n.. note::\n   hi\n"
+    assert [what for pattern, what in _REST_MARKUP if pattern.search(sample)] == \
+        ["double backticks", "a :param:-style field", "a Sphinx role", "a .. directive"]
 
 
 def _build_wheel(dest: Path) -> zipfile.ZipFile:
@@ -177,3 +203,90 @@ def test_pinned_requirements_install_on_debian_12_python() -> None:
         if requires and not SpecifierSet(requires).contains("3.11.2"):
             too_new.append(f"{pin} needs Python {requires}")
     assert not too_new, too_new
+
+
+def _dev_wants_browser(*args: str) -> bool:
+    """Ask ./dev's own wants_browser (sourcing ./dev defines its functions and runs nothing)."""
+    proc = subprocess.run(["bash", "-c", 'source ./dev && wants_browser "$@"', "dev", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode == 0
+
+
+@pytest.mark.parametrize("args,browser", [
+    ((), True),                                                   # the whole suite, as CI runs it
+    (("-x", "-q"), True),
+    (("-k", "tour"), True),                                       # -k may pick browser tests
+    (("tests",), True),
+    (("tests/browser/test_tour_browser.py::test_tour",), True),
+    (("tests/test_packaging.py", "tests/browser"), True),
+    (("-m", "not browser or slow"), True),
+    (("tests/test_core.py",), False),                             # no apt-get chromium for this
+    (("tests/test_core.py::test_x", "tests/test_packaging.py", "-x"), False),
+    (("-m", "not browser"), False),
+    (("-mnot browser",), False),
+])
+def test_dev_test_installs_chromium_only_for_browser_tests(args: tuple[str, ...], browser: bool) -> None:
+    assert _dev_wants_browser(*args) is browser
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^exec \./dev test\b", ci, re.M), ci
+    dev = (REPO / "dev").read_text()
+    cmd_test = dev[dev.index("cmd_test() {"):]
+    cmd_test = cmd_test[:cmd_test.index("\n}\n")]
+    assert "wants_browser" in cmd_test and "setup_browser" in cmd_test
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _with_requirements(names: set[str]) -> set[str]:
+    """``names`` and everything their installed distributions require (no extras), recursively."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = _canon(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def test_notebooks_extra_brings_what_the_course_imports() -> None:
+    """`pip install torch_nbdebug[notebooks]` is enough to run every notebook of the course."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = [Requirement(d) for d in project["optional-dependencies"]["notebooks"]]
+    # notebook 03 renders torchviz's DOT with graphviz-pure's `dot`-compatible binary (no system Graphviz)
+    assert {"torchviz", "graphviz-pure"} <= {_canon(r.name) for r in extra}
+    installed = _with_requirements({Requirement(d).name for d in project["dependencies"]} | {r.name for r in extra})
+    by_module = metadata.packages_distributions()
+    missing = []
+    for source in sorted((REPO / "notebooks" / "src").glob("[0-9][0-9]_*.py")):
+        for match in re.finditer(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", source.read_text(), re.M):
+            module = match.group(1)
+            if module in sys.stdlib_module_names or module == "torch_nbdebug":
+                continue
+            dists = {_canon(d) for d in by_module.get(module, [module])}
+            if not dists & installed:
+                missing.append(f"{source.name}: import {module} ({', '.join(sorted(dists))})")
+    assert not missing, f"not brought by the dependencies or the [notebooks] extra: {missing}"

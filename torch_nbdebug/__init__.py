@@ -8,6 +8,8 @@ In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
 - ``memory_state()`` / ``with memory_timeline() as tl:`` — memory by category (``%cudamem``)
 - ``repro(fn, state=(model, opt))`` — run twice from one state; the first op that differs, and why (``%%repro``)
 - ``with explain() as ex:`` / ``explain_exception(exc)`` — where and why a PyTorch error happened (``%explain``)
+- ``with monitor("loss") as mon:`` — values and per-layer gradients at every optimizer step, live (``%%monitor``)
+- ``to_tensorboard(result, logdir)`` — write a monitor, gradient trace, memory timeline or nanwatch report for TensorBoard
 
 Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
 """
@@ -43,6 +45,11 @@ _EXPORTS = {
     "explain": "torch_nbdebug.api.explain",
     "explain_exception": "torch_nbdebug.api.explain",
     "Diagnosis": "torch_nbdebug.api.explain",
+    "monitor": "torch_nbdebug.api.monitor",
+    "Monitor": "torch_nbdebug.api.monitor",
+    "MonitorHistory": "torch_nbdebug.api.monitor",
+    "MonitorRules": "torch_nbdebug.api.monitor",
+    "to_tensorboard": "torch_nbdebug.api.tensorboard",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -180,3 +180,48 @@ assert not fixed.leaks
 # * **07 · Code that debugs itself** — assertions, `assert_close`, `gradcheck`, structured logs.
 #
 # Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`.
+# %% [markdown]
+# ## Exercise: a NaN in attention
+#
+# An attention-style cell: scores, a padding mask, a softmax, a weighted sum. Row 3 of the batch is
+# all padding. The output is `nan` — find where the NaN is **born** with the tools of this tour, and
+# fix the cell so that `out` and `scores.grad` are finite. (Hint: put `%%nanwatch` on the first line.)
+
+# %%
+torch.manual_seed(0)
+scores = torch.randn(4, 6, requires_grad=True)
+padding = torch.zeros(4, 6, dtype=torch.bool)
+padding[:, 4:] = True  # the last two positions of every row are padding
+padding[3] = True      # row 3 is padding only
+weights = torch.softmax(scores.masked_fill(padding, float("-inf")), dim=-1)
+out = (weights @ torch.randn(6, 8)).sum()
+out.backward()
+print("out:", out.item())
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `%%nanwatch` names the birth: `aten._softmax` in forward, on the `weights = ...` line. A row whose
+# every score is `-inf` has no maximum to subtract: softmax computes `exp(-inf - (-inf))`, which is
+# NaN, and the NaN flows into `out` and back into the gradients. Mask with the most negative
+# *finite* number instead (a fully padded row then gets uniform weights), or drop fully padded rows
+# before the softmax.
+#
+# ```python
+# %%nanwatch
+# torch.manual_seed(0)
+# scores = torch.randn(4, 6, requires_grad=True)
+# padding = torch.zeros(4, 6, dtype=torch.bool)
+# padding[:, 4:] = True
+# padding[3] = True
+# weights = torch.softmax(scores.masked_fill(padding, torch.finfo(scores.dtype).min), dim=-1)
+# out = (weights @ torch.randn(6, 8)).sum()
+# out.backward()
+# ```
+#
+# ```python
+# assert torch.isfinite(out) and torch.isfinite(scores.grad).all()
+# assert _nanwatch.first is None  # no birth any more
+# ```
+#
+# </details>

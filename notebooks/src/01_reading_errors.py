@@ -22,6 +22,7 @@ import io
 import sys
 import traceback
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 
@@ -92,6 +93,41 @@ for frame in frames:
 innermost_user = user_frames(error.__traceback__)[-1]
 assert innermost_user.line == "h = self.body(x)", innermost_user
 assert "4x12 and 10x16" in str(error)
+
+# %% [markdown]
+# The same traceback as a picture: one bar per frame, outermost call at the top, the error at the
+# bottom. Reading starts at the red bar and climbs to the first blue one — the innermost frame of
+# yours:
+
+# %%
+def draw_traceback(frames, mine, error):
+    """One bar per frame (yours blue, the library's grey), the error in red at the bottom."""
+    fig, ax = plt.subplots(figsize=(9, 0.36 * len(frames) + 1.1), dpi=72)
+    for depth, frame in enumerate(frames):
+        yours = frame in mine
+        y = len(frames) - depth
+        ax.barh(y, 1, height=0.85, color="#2f6fb0" if yours else "#e6e6e6")
+        file = "cell" if "ipykernel_" in frame.filename else frame.filename.split("/")[-1]
+        where = f"{file}:{frame.lineno}"
+        ax.text(0.01, y, f"{where:<20}{frame.line[:64]}", va="center", family="monospace", fontsize=9,
+                color="white" if yours else "#333333")
+    ax.barh(0, 1, height=0.85, color="#c0392b")
+    ax.text(0.01, 0, f"{type(error).__name__}: {error}"[:84], va="center", family="monospace",
+            fontsize=9, color="white")
+    innermost = len(frames) - frames.index(mine[-1])
+    ax.annotate("", xy=(1.03, innermost), xytext=(1.03, 0), annotation_clip=False,
+                arrowprops={"arrowstyle": "->", "lw": 1.5})
+    ax.text(1.05, 0, "1. the error", va="center", fontsize=9)
+    ax.text(1.05, innermost, "2. your innermost line", va="center", fontsize=9)
+    ax.text(1.05, len(frames), "outermost call", va="center", fontsize=9, color="#777777")
+    ax.set_xlim(0, 1)
+    ax.set_axis_off()
+    ax.set_title("A traceback, read bottom up", loc="left")
+    fig.tight_layout()
+    plt.show()
+
+
+draw_traceback(frames, user_frames(error.__traceback__), error)
 
 # %% [markdown]
 # The fix follows from the message: either the model takes 12 features (`Classifier(n_in=12)`) or
@@ -499,3 +535,56 @@ assert ex.diagnosis.kind == "dtype" and "target.long()" in ex.diagnosis.hint
 #   `%%explain --check-indices` catches the index behind a device-side assert at its line.
 #
 # Next: **02 · Hunting NaNs** — the errors that do not raise at all.
+# %% [markdown]
+# ## Exercise: the classifier that does not fit its images
+#
+# A small CNN for 28×28 images. Run the cell, read the traceback bottom up and the paragraph
+# `%explain` adds under it (or run `%explain` for the full card), and fix the model — not the data —
+# so that `logits` has shape `(2, 10)`. Why is the right number what it is?
+
+# %% tags=["raises-exception"]
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, kernel_size=3)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 14 * 14, 10)  # 28x28 images, halved by the pool
+
+    def forward(self, images):
+        h = self.pool(torch.relu(self.conv(images)))
+        return self.fc(h.flatten(1))
+
+
+cnn = SmallCNN()
+images = torch.randn(2, 1, 28, 28)
+logits = cnn(images)
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# The last line: `mat1 and mat2 shapes cannot be multiplied (2x1352 and 1568x10)`; the innermost
+# frame of yours: `return self.fc(h.flatten(1))`. `cnn.fc` was built for 1568 = 8·14·14 features and
+# gets 1352. A 3×3 convolution without padding takes one pixel off each border: 28 → 26, and the
+# pool halves that to 13, so 8·13·13 = 1352. Either build `fc` for 8·13·13 inputs, or keep the size
+# with `padding=1` in the convolution (28 → 28 → 14, and 8·14·14 is right), or let
+# `nn.LazyLinear(10)` find the size at the first call.
+#
+# ```python
+# class SmallCNN(nn.Module):
+#     def __init__(self):
+#         super().__init__()
+#         self.conv = nn.Conv2d(1, 8, kernel_size=3, padding=1)  # keeps 28x28
+#         self.pool = nn.MaxPool2d(2)                             # 28 -> 14
+#         self.fc = nn.Linear(8 * 14 * 14, 10)
+#
+#     def forward(self, images):
+#         h = self.pool(torch.relu(self.conv(images)))
+#         return self.fc(h.flatten(1))
+#
+#
+# cnn = SmallCNN()
+# logits = cnn(images)
+# assert logits.shape == (2, 10)
+# ```
+#
+# </details>

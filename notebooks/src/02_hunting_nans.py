@@ -407,3 +407,43 @@ assert (first.phase, first.op, first.kind) == ("forward", "aten.log.default", "i
 # * Never take `log` of a probability: keep logits, use `*_with_logits`, `log_softmax`, `cross_entropy`.
 # * Never `.data` (and no in-place writes to tensors autograd saved): the error it silences was right.
 # * `torch.where` does not protect gradients: make the unused branch safe *inside* the where.
+# %% [markdown]
+# ## Exercise: binary cross-entropy by hand
+#
+# A binary classifier's loss, written out from the textbook formula. One logit is large (40: the
+# model is very sure, and wrong). The loss is `inf` and the gradients are NaN. Find the first
+# non-finite value with `%%nanwatch` (does `detect_anomaly` see it?), then fix the loss so that it is
+# finite and its gradient too — for any logits.
+
+# %%
+logits = torch.tensor([[0.5], [-1.0], [40.0]], requires_grad=True)
+labels = torch.tensor([[1.0], [0.0], [0.0]])
+p = torch.sigmoid(logits)
+bce = -(labels * torch.log(p) + (1 - labels) * torch.log(1 - p)).mean()
+bce.backward()
+print("loss:", bce.item(), "| grad:", logits.grad.flatten().tolist())
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `%%nanwatch` names the birth: `aten.log` in forward, an `inf` on the `bce = ...` line. In float32
+# `sigmoid(40.0)` is exactly `1.0`, so `1 - p` is 0 and `log(0)` is `-inf`; in backward `1/(1-p)`
+# meets a zero and the gradient becomes NaN. The forward-born Inf is invisible to `detect_anomaly`
+# until it turns into a NaN in backward. Never take the log of a probability: compute the loss from
+# the logits with `F.binary_cross_entropy_with_logits`, which uses `log(1 + e^x)` in a form that
+# cannot overflow.
+#
+# ```python
+# %%nanwatch
+# logits = torch.tensor([[0.5], [-1.0], [40.0]], requires_grad=True)
+# labels = torch.tensor([[1.0], [0.0], [0.0]])
+# bce = F.binary_cross_entropy_with_logits(logits, labels)
+# bce.backward()
+# print("loss:", bce.item(), "| grad:", logits.grad.flatten().tolist())
+# ```
+#
+# ```python
+# assert torch.isfinite(bce) and torch.isfinite(logits.grad).all() and _nanwatch.first is None
+# ```
+#
+# </details>

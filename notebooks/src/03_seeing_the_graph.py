@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from IPython.display import SVG, display
+from IPython.display import Image, display
 
 torch.manual_seed(0)
 %load_ext torch_nbdebug
@@ -99,15 +99,16 @@ from torchviz import make_dot
 dot_graph = make_dot(loss, params=dict(model.named_parameters()))
 
 
-def dot_to_svg(source: str) -> str:
-    """Lay out DOT text with a `dot` on PATH, or the one the graphviz-pure wheel installs."""
+def dot_to_png(source: str) -> bytes:
+    """Lay out DOT text as a PNG (a picture every notebook viewer shows) with a `dot` on PATH, or the
+    one the graphviz-pure wheel installs."""
     binary = shutil.which("dot") or shutil.which("graphviz-pure") or \
         str(Path(sys.executable).with_name("graphviz-pure"))
-    return subprocess.run([binary, "-Tsvg"], input=source.encode(), capture_output=True,
-                          check=True).stdout.decode()
+    return subprocess.run([binary, "-Tpng"], input=source.encode(), capture_output=True,
+                          check=True).stdout
 
 
-display(SVG(dot_to_svg(dot_graph.source)))
+display(Image(dot_to_png(dot_graph.source)))
 torchviz_boxes = dot_graph.source.count("[label=")
 print(torchviz_boxes, "boxes in the torchviz picture")
 
@@ -225,7 +226,7 @@ class LogCosh(torch.autograd.Function):
 
 model.zero_grad()
 robust_loss = LogCosh.apply(model(x) - y).mean()
-display(SVG(dot_to_svg(make_dot(robust_loss, params=dict(model.named_parameters())).source)))
+display(Image(dot_to_png(make_dot(robust_loss, params=dict(model.named_parameters())).source)))
 
 # %%
 %graph robust_loss
@@ -274,3 +275,41 @@ assert order.index("MeanBackward0") < order.index("LogCoshBackward") < order.ind
 #   models, and lets you click, search and export. `%%graph` records the real module of every node.
 # * A custom `autograd.Function` is a single node; your `backward` runs when the chain rule reaches
 #   it, output first.
+# %% [markdown]
+# ## Exercise: the encoder that never learns
+#
+# An encoder and a decoder, trained together. Someone kept the features as NumPy "for a histogram in
+# the logs", and the encoder's weights stopped changing. Look at the graph behind `loss` with
+# `%graph loss`: which parameters are in it? Fix the cell so that both modules get gradients, and
+# keep the NumPy copy for the logs.
+
+# %% tags=["raises-exception"]
+torch.manual_seed(0)
+encoder, decoder = nn.Linear(4, 8), nn.Linear(8, 1)
+inputs = torch.randn(16, 4)
+features = encoder(inputs).detach().numpy()  # for a histogram in the logs
+loss = decoder(torch.from_numpy(features)).pow(2).mean()
+loss.backward()
+assert encoder.weight.grad is not None, "the encoder got no gradient: its weights will never change"
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `%graph loss` shows only `decoder.weight` and `decoder.bias`: the graph starts at
+# `torch.from_numpy(features)`, a new leaf with no history. `.detach()` (needed before `.numpy()`)
+# cut the chain back to the encoder, so backward never reaches it. Keep the tensor for the
+# computation and take the NumPy copy on the side:
+#
+# ```python
+# torch.manual_seed(0)
+# encoder, decoder = nn.Linear(4, 8), nn.Linear(8, 1)
+# features = encoder(inputs)
+# for_the_logs = features.detach().numpy()  # a copy for the histogram; the graph is untouched
+# loss = decoder(features).pow(2).mean()
+# loss.backward()
+# assert encoder.weight.grad is not None and decoder.weight.grad is not None
+# explorer = %graph -o loss
+# assert {"encoder.weight", "decoder.weight"} <= {node.label for node in explorer.data.params()}
+# ```
+#
+# </details>

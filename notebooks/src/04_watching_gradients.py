@@ -267,3 +267,47 @@ assert good_losses[-1] < good_losses[0] and not all(l == l for l in fast_losses)
 #   growing (weights too large, no normalisation). Fix with activation + matching init + normalisation.
 # * Dead ReLUs: gradients of exactly zero; look for very negative biases and too-large steps.
 # * Update ratio `‖Δw‖/‖w‖ ≈ 1e-3` per step is a good starting point for a learning rate.
+# %% [markdown]
+# ## Exercise: a deep network whose first layers do not learn
+#
+# Eight sigmoid layers. Train it for 20 steps under `%%grads deep` and read the flags and the
+# gradient-flow plot: which layers are flagged, and why? Then change the model so that no layer is
+# flagged vanishing or exploding (keep the depth and the optimizer).
+
+# %%
+torch.manual_seed(0)
+deep = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.Sigmoid())], nn.Linear(32, 1))
+deep_opt = torch.optim.SGD(deep.parameters(), lr=0.1)
+xs, ys = torch.randn(64, 32), torch.randn(64, 1)
+for step in range(20):
+    loss = F.mse_loss(deep(xs), ys)
+    deep_opt.zero_grad()
+    loss.backward()
+    deep_opt.step()
+print("loss after 20 steps:", round(loss.item(), 4))
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# Under `%%grads deep` the first layers (`deep.0`, `deep.2`) are flagged **vanishing** and the last
+# one **exploding** relative to them: the gradient-flow plot falls by a constant factor per layer
+# going back towards the input. The sigmoid's derivative is at most 0.25, so every layer multiplies
+# the gradient by a factor below 1 on its way back — eight of them leave the first layers almost
+# nothing. Use an activation whose derivative stays near 1 where it is active (GELU here; ReLU would
+# trade the problem for dead units in this small net — try it and read the flags):
+#
+# ```python
+# torch.manual_seed(0)
+# deep = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.GELU())], nn.Linear(32, 1))
+# deep_opt = torch.optim.SGD(deep.parameters(), lr=0.1)
+# with torch_nbdebug.record_gradients(deep) as trace:
+#     for step in range(20):
+#         loss = F.mse_loss(deep(xs), ys)
+#         deep_opt.zero_grad()
+#         loss.backward()
+#         deep_opt.step()
+# print([(flag.kind, flag.layer) for flag in trace.flags])
+# assert not [flag for flag in trace.flags if flag.kind in ("vanishing", "exploding")]
+# ```
+#
+# </details>

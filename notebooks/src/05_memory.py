@@ -293,3 +293,39 @@ else:
 #   cell leaked and who holds it.
 # * Build models and optimizers once. `empty_cache()` tells fragmentation from live tensors; it
 #   fixes neither.
+# %% [markdown]
+# ## Exercise: a validation loop that grows
+#
+# A validation loop that adds up the loss of five batches. Run it under `%%cudamem`: what does the
+# cell leave allocated, who holds it, and why so much for one number? Fix the loop so that it leaves
+# nothing behind.
+
+# %%
+torch.manual_seed(0)
+val_model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+total = 0
+for _ in range(5):
+    batch = torch.randn(512, 64)
+    total = total + F.mse_loss(val_model(batch), torch.zeros(512, 8))
+print("mean validation loss:", (total / 5).item())
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `%%cudamem` lists one leak: `total` holds about twenty tensors and an autograd graph. `total` is a
+# tensor that requires grad, so each `+` extends one graph through all five forward passes, and that
+# graph keeps every activation it saved for a backward that never comes. Validation needs no graph
+# and the sum needs no tensor: run under `torch.no_grad()` and add `.item()`s.
+#
+# ```python
+# with torch_nbdebug.memory_timeline() as timeline:
+#     total = 0.0
+#     with torch.no_grad():
+#         for _ in range(5):
+#             batch = torch.randn(512, 64)
+#             total += F.mse_loss(val_model(batch), torch.zeros(512, 8)).item()
+# print("mean validation loss:", total / 5, "| leaks:", timeline.leaks)
+# assert not timeline.leaks
+# ```
+#
+# </details>

@@ -20,6 +20,7 @@
 import os
 import random
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn as nn
@@ -225,6 +226,41 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32):
           f"  1 + 1e-4 = {one_plus}")
 
 # %% [markdown]
+# The whole picture, measured with `torch.nextafter`: for every magnitude, the gap to the next
+# representable number, relative to the number. A flat stretch is the normal range (the gap is
+# `eps` times the number, with a sawtooth: the gap doubles at every power of two); on the left the
+# subnormals lose precision until everything rounds to 0;
+# each line stops at the dtype's largest number (dotted), beyond which is `inf`. An epsilon or an
+# update smaller than the line is lost when added:
+
+# %%
+def relative_gaps(dtype, magnitudes):
+    """Gap to the next representable number of ``dtype``, relative to it, where it is finite and > 0."""
+    x = magnitudes.to(dtype)
+    gap = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
+    keep = torch.isfinite(x) & (x > 0) & torch.isfinite(gap)
+    return magnitudes[keep], (gap.double() / x.double())[keep]
+
+
+magnitudes = torch.logspace(-12, 39, 1500, dtype=torch.float64)
+fig, ax = plt.subplots(figsize=(8.5, 3.3), dpi=72)
+for dtype, color in ((torch.float16, "#c0392b"), (torch.bfloat16, "#2f6fb0"), (torch.float32, "#555555")):
+    where, gaps = relative_gaps(dtype, magnitudes)
+    ax.loglog(where, gaps, color=color, label=str(dtype).removeprefix("torch."))
+    ax.axvline(torch.finfo(dtype).max, color=color, ls=":", lw=1)
+ax.axhline(1e-4, color="black", ls="--", lw=0.8)
+ax.text(2e-12, 1.6e-4, "a relative change of 1e-4", fontsize=9)
+ax.set_xlabel("magnitude of the number")
+ax.set_ylabel("gap to the next number,\nrelative")
+ax.set_title("Resolution and range of float16, bfloat16 and float32", loc="left")
+ax.legend(loc="upper right", fontsize=9)
+fig.tight_layout()
+plt.show()
+
+_, gaps16 = relative_gaps(torch.float16, torch.tensor([1.0], dtype=torch.float64))
+assert gaps16.item() == torch.finfo(torch.float16).eps > 1e-4  # why 1 + 1e-4 == 1 in float16
+
+# %% [markdown]
 # ## 4. Mixed precision and `GradScaler`
 #
 # `torch.autocast` runs matrix multiplications in float16 (or bfloat16) for speed and memory.
@@ -295,6 +331,28 @@ for step, loss_value, used, nxt, moved in log:
 skipped = [step for step, *_, moved in log if not moved]
 assert all(step in skipped for step in range(6, 12))    # every non-finite loss skipped the step
 assert log[-1][4] and log[12][3] < log[5][3]             # training resumed, with a smaller scale
+
+# %% [markdown]
+# The same log as a picture — what to plot from your own training logs:
+
+# %%
+steps = [step for step, *_ in log]
+scale_used = [used for _, _, used, _, _ in log]
+fig, ax = plt.subplots(figsize=(8.5, 2.8), dpi=72)
+ax.axvspan(5.5, 11.5, color="#c0392b", alpha=0.08)
+ax.text(8.5, max(scale_used), "the bug: a non-finite loss", ha="center", va="top", fontsize=9, color="#c0392b")
+ax.step(steps, scale_used, where="mid", color="#2f6fb0", lw=1.2)
+ax.scatter([s for s in steps if s not in skipped], [scale_used[s] for s in steps if s not in skipped],
+           color="#27ae60", s=22, zorder=3, label="weights updated")
+ax.scatter(skipped, [scale_used[s] for s in skipped], color="#c0392b", marker="x", s=36, zorder=3,
+           label="step skipped (inf/NaN gradients)")
+ax.set_yscale("log", base=2)
+ax.set_xlabel("step")
+ax.set_ylabel("loss scale used")
+ax.set_title("GradScaler: calibration at step 0, a collapsing scale while the loss is broken", loc="left")
+ax.legend(loc="lower left", fontsize=9)
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # How to read such a log:
@@ -433,3 +491,50 @@ assert report.identical
 #   read its scale: a few early skips are calibration, a collapsing scale is a bug.
 # * When two runs differ, `%%repro` names the first op that differs, its line and the cause (`rng`,
 #   `uninitialized`, `external`, `nondeterministic_op`), with the fix.
+# %% [markdown]
+# ## Exercise: same seed, different result
+#
+# A training function that seeds torch first, then trains three steps on augmented data. Called
+# twice it gives two different losses. Find which value differs between runs (hint: one step under
+# `%%repro --no-restore-rng`, with the model and optimizer in the namespace), and fix `augment` so
+# that `torch.manual_seed(0)` alone makes `train()` repeat exactly.
+
+# %% tags=["raises-exception"]
+def augment(batch):
+    return batch * (1 + 0.1 * random.random())  # random brightness
+
+
+def train(steps: int = 3) -> float:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = model(augment(torch.ones(8, 4))).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+first, second = train(), train()
+print(first, second)
+assert first == second, "same seed, different result"
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `%%repro --no-restore-rng` on one training step reports cause `external`: the first op whose output
+# differs is the `aten.mul` on the `augment` line, and its other input came from outside torch —
+# Python's `random`, which `torch.manual_seed` does not seed. Draw the random number from torch's
+# generator (or seed `random` too, or pass a `torch.Generator` to `augment`):
+#
+# ```python
+# def augment(batch):
+#     return batch * (1 + 0.1 * torch.rand(()))  # torch's generator: torch.manual_seed covers it
+#
+#
+# first, second = train(), train()
+# assert first == second
+# ```
+#
+# </details>

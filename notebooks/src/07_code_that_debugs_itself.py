@@ -339,3 +339,52 @@ plt.show()
 # * `gradcheck` every custom `backward`, in float64, at the points that matter.
 # * Log records, not strings: `loss.item()`, the norm `clip_grad_norm_` returns, memory — then let
 #   code find the bad step.
+# %% [markdown]
+# ## Exercise: a custom backward that forgets something
+#
+# `softplus(x) = log(1 + eˣ)` as an `autograd.Function`, whose derivative is `sigmoid(x)`. The
+# formula is right, yet `gradcheck` fails. Read its message (compare the numerical and the analytical
+# Jacobian: where do they differ?) and fix `backward`.
+
+# %% tags=["raises-exception"]
+class Softplus(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.softplus(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        return torch.sigmoid(x)  # d/dx log(1 + e^x)
+
+
+points = torch.randn(5, dtype=torch.float64, requires_grad=True)
+torch.autograd.gradcheck(Softplus.apply, (points,))
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# The numerical Jacobian is diagonal (each output depends on its own input); the analytical one has
+# the same row everywhere: `backward` ignored `grad_out`. `backward` receives the gradient of the
+# loss with respect to the output and must return the gradient with respect to the input — the
+# chain rule multiplies the two. With `grad_out` all ones (a plain `.sum().backward()`) the bug is
+# invisible, which is why `gradcheck` probes one output at a time.
+#
+# ```python
+# class Softplus(torch.autograd.Function):
+#     @staticmethod
+#     def forward(ctx, x):
+#         ctx.save_for_backward(x)
+#         return F.softplus(x)
+#
+#     @staticmethod
+#     def backward(ctx, grad_out):
+#         (x,) = ctx.saved_tensors
+#         return grad_out * torch.sigmoid(x)
+#
+#
+# assert torch.autograd.gradcheck(Softplus.apply, (points,))
+# ```
+#
+# </details>

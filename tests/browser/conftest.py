@@ -17,6 +17,10 @@ Also: ``lab.open_notebook(path)`` (an existing .ipynb, run afresh), ``lab.cell(p
 side after clicking a widget), and ``lab.screenshot(page_or_locator, name)``. A cell that raises fails
 the test with its traceback unless ``allow_errors=True``.
 
+``run_notebook`` and ``open_notebook`` also take ``viewport=(width, height)`` (the window size, e.g.
+``(900, 1000)`` for a narrow window; default 1400x1000) and ``theme=DARK`` (JupyterLab's own dark
+theme, set in the user settings before the page loads and removed after the test).
+
 Every test under tests/browser is marked ``browser``. A failing test leaves a screenshot of each
 page it opened, plus the page's console, in test-artifacts/. Timeouts are generous and every wait
 is for a condition, never a fixed sleep, because CI shares two cores.
@@ -52,6 +56,9 @@ CHROMIUM_ARGS = [
     "--disable-dev-shm-usage",  # containers often mount a tiny /dev/shm
 ]
 KERNEL_READY_S = 300.0
+LIGHT = "JupyterLab Light"
+DARK = "JupyterLab Dark"
+VIEWPORT = (1400, 1000)
 RUN_S = 900.0
 ACTION_MS = 120_000  # default timeout of every playwright action and expect()
 
@@ -68,6 +75,8 @@ _FIND = """
     return null;
   };
 """
+# JupyterLab marks the applied theme on <body> (data-jp-theme-name) once its CSS is loaded.
+_JS_THEME = """(name) => document.body.dataset.jpThemeName === name"""
 _JS_KERNEL_READY = """(path) => {""" + _FIND + """
   const w = findPanel(path);
   if (!w || !w.context.isReady) return false;
@@ -186,19 +195,21 @@ class Lab:
 
     # ----- public API -------------------------------------------------------------------------
     def run_notebook(self, cells: list[str], name: str, *, timeout: float = RUN_S,
-                     allow_errors: bool = False) -> Any:
+                     allow_errors: bool = False, viewport: tuple[int, int] | None = None,
+                     theme: str | None = None) -> Any:
         """Write a notebook of these code cells as ``<name>.ipynb``, open it, run all cells, return the page."""
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
-        return self._open_and_run(_clean_notebook(nb), f"{name}.ipynb", timeout, allow_errors)
+        return self._open_and_run(_clean_notebook(nb), f"{name}.ipynb", timeout, allow_errors, viewport, theme)
 
     def open_notebook(self, path: str | os.PathLike[str], *, timeout: float = RUN_S,
-                      allow_errors: bool = False) -> Any:
+                      allow_errors: bool = False, viewport: tuple[int, int] | None = None,
+                      theme: str | None = None) -> Any:
         """Copy an existing notebook into the server root (outputs dropped), open it and run all cells."""
         src = Path(path)
         if not src.is_absolute():
             src = REPO / src
         nb = nbformat.read(src, as_version=4)
-        return self._open_and_run(_clean_notebook(nb), src.name, timeout, allow_errors)
+        return self._open_and_run(_clean_notebook(nb), src.name, timeout, allow_errors, viewport, theme)
 
     def run_cell(self, page: Any, source: str, *, timeout: float = RUN_S,
                  allow_errors: bool = False) -> Any:
@@ -242,10 +253,12 @@ class Lab:
         return str(self.output(page, index).inner_text())
 
     # ----- internals --------------------------------------------------------------------------
-    def _open_and_run(self, nb: Any, filename: str, timeout: float, allow_errors: bool) -> Any:
+    def _open_and_run(self, nb: Any, filename: str, timeout: float, allow_errors: bool,
+                      viewport: tuple[int, int] | None = None, theme: str | None = None) -> Any:
         nbformat.validate(nb)
         nbformat.write(nb, self.server.root / filename)
-        page = self._new_page()
+        self.server.set_theme(theme)  # read by the page as it loads; removed again by close_pages
+        page = self._new_page(viewport)
         self._paths[id(page)] = filename
         self._count += 1
         # A fresh workspace per page, so JupyterLab restores no tab from an earlier test.
@@ -253,6 +266,7 @@ class Lab:
                   f"?token={self.server.token}", wait_until="domcontentloaded")
         self._wait(page, _JS_KERNEL_READY, filename, KERNEL_READY_S,
                    f"{filename}: notebook open with an idle kernel")
+        self._wait(page, _JS_THEME, theme or LIGHT, KERNEL_READY_S, f"{filename}: theme {theme or LIGHT}")
         page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # room for the outputs
         page.evaluate(_JS_RUN_ALL, filename)
         state = self._wait_for_run(page, filename, timeout)
@@ -267,8 +281,10 @@ class Lab:
                              f"{_ANSI.sub('', e['traceback'])}" for e in errors)
         raise AssertionError(f"{path}: a cell raised in the browser kernel\n{detail}")
 
-    def _new_page(self) -> Any:
+    def _new_page(self, viewport: tuple[int, int] | None = None) -> Any:
         page = self.context.new_page()
+        width, height = viewport or VIEWPORT
+        page.set_viewport_size({"width": width, "height": height})
         lines = self.console.setdefault(id(page), [])
         page.on("console", lambda msg: lines.append(f"{msg.type}: {msg.text}"))
         page.on("pageerror", lambda err: lines.append(f"pageerror: {err}"))
@@ -307,6 +323,7 @@ class Lab:
             except Exception:  # a crashed page is already gone
                 pass
         self.pages.clear()
+        self.server.set_theme(None)  # the next page loads with the default (light) theme
 
 
 def _require_browser() -> None:

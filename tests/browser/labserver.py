@@ -44,6 +44,9 @@ def _quiet_lab_settings(settings: Path, config: Path) -> None:
                 {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
 
 
+_THEME_SETTINGS = "@jupyterlab/apputils-extension/themes.jupyterlab-settings"
+
+
 class _PortTaken(Exception):
     pass
 
@@ -129,6 +132,16 @@ class LabServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.5)
         raise RuntimeError(f"JupyterLab did not answer within {SERVER_START_S:.0f}s:\n{self.log_tail()}")
+
+    def set_theme(self, theme: str | None) -> None:
+        """The theme pages opened from now on load with (``None``: JupyterLab's default, light).
+
+        A user setting, read by the server on each request, so no restart is needed."""
+        path = self._base / "settings" / _THEME_SETTINGS
+        if theme is None:
+            path.unlink(missing_ok=True)
+        else:
+            _write_json(path, {"theme": theme, "adaptive-theme": False})
 
     def api(self, method: str, path: str) -> Any:
         req = urllib.request.Request(f"{self.url}{path}", method=method,

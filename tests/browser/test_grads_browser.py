@@ -57,3 +57,40 @@ def test_next_moves_to_the_next_layer_and_redraws_the_histogram(lab) -> None:
     root.locator("input.tnd-log").check()
     expect(lab.run_cell(page, "print('log in python:', view.log_scale)")).to_contain_text("log in python: True")
     lab.screenshot(page, "grads_stepper")
+
+
+# A gradient that is the numbers -0.001 .. 1: zero falls a quarter pixel from the left end, where a
+# "0" label would sit on top of the "-0.001" one.
+SKEWED = """
+import torch
+from torch import nn
+from torch_nbdebug import record_gradients
+
+lin = nn.Linear(200, 1, bias=False)
+target = torch.linspace(-0.001, 1.0, 200)
+with record_gradients(lin) as rec:
+    for _ in range(2):
+        lin.zero_grad()
+        (lin.weight[0] * target).sum().backward()
+rec.widget()
+"""
+
+JS_LABEL_BOXES = """(svg) => Array.from(svg.querySelectorAll('text')).map((t) => {
+  const b = t.getBBox(); return {text: t.textContent, left: b.x, right: b.x + b.width};
+})"""
+
+
+def test_histogram_axis_labels_do_not_collide(lab) -> None:
+    page = lab.run_notebook([SKEWED], name="grads_hist_labels")
+    hist = lab.output(page, 0).locator("svg.tnd-hist").first
+    expect(hist).to_be_visible()
+    boxes = sorted(hist.evaluate(JS_LABEL_BOXES), key=lambda b: b["left"])
+    texts = [b["text"] for b in boxes]
+    assert texts[0] == "-0.001" and texts[-1] == "1", texts
+    width = float(hist.get_attribute("width"))
+    for a, b in zip(boxes, boxes[1:]):
+        assert a["right"] + 2 <= b["left"], f"labels overlap: {a} {b}"
+    assert boxes[0]["left"] >= 0 and boxes[-1]["right"] <= width + 0.5, boxes
+    # Zero is still marked, by the dashed line (its tooltip says 0).
+    expect(hist.locator("line[stroke-dasharray] title")).to_have_text("0")
+    lab.screenshot(hist, "grads_hist_labels")

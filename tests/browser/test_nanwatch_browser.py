@@ -56,3 +56,26 @@ def test_card_shows_op_module_and_highlighted_line(lab) -> None:
     expect(card.locator(".nw-title")).to_contain_text("Inf born in forward: aten.exp.default")
     expect(view.locator(".nw-source .line.hl")).to_contain_text("scale = torch.exp(torch.full((2,), 200.0))")
     lab.screenshot(view, "nanwatch_second_event")
+
+
+BACKWARD_SETUP = SETUP.replace("return torch.sqrt(h)", "return torch.sqrt(torch.relu(h))")
+BACKWARD = """%%nanwatch
+out = model(xb)
+loss = out.sum()
+loss.backward()
+"""
+
+
+def test_backward_birth_card_names_the_forward_op_module_and_line(lab) -> None:
+    # sqrt(relu(h)) is finite, but its gradient at the zeros relu makes is 1/(2*sqrt(0)) = inf: the birth
+    # is in backward, and the card's Forward row says which forward op made it, in which module, where.
+    sqrt_line = BACKWARD_SETUP.lstrip("\n").splitlines().index("        return torch.sqrt(torch.relu(h))") + 1
+    page = lab.run_notebook([BACKWARD_SETUP, BACKWARD], name="nanwatch_backward")
+    view = lab.output(page, 1).locator(".tnd-nanwatch")
+    card = view.locator(".nw-card")
+    expect(card.locator(".nw-title")).to_contain_text("Inf born in backward: SqrtBackward0 in model.1")
+    forward = card.locator("tr").filter(has=page.locator("th", has_text="Forward")).locator("td")
+    expect(forward).to_have_text(f"created by aten.sqrt.default in model.1 at line {sqrt_line}")
+    expect(view).not_to_contain_text("[object")
+    expect(view.locator(".nw-source .line.hl")).to_contain_text("return torch.sqrt(torch.relu(h))")
+    lab.screenshot(view, "nanwatch_backward_card")

@@ -91,6 +91,14 @@ class GradReport(Displayable):
 
         return render.widget(self.trace, self.flags, self.start_layer)
 
+    def to_tensorboard(self, logdir: Any) -> str:
+        """Write per-layer gradient norms and update ratios per step, and per-parameter histograms,
+        as TensorBoard event files in ``logdir`` (returns it); needs
+        ``pip install torch_nbdebug[tensorboard]``. See torch_nbdebug.api.tensorboard."""
+        from torch_nbdebug.api.tensorboard import to_tensorboard
+
+        return to_tensorboard(self, logdir)
+
 
 class GradRecording(GradReport):
     """``with record_gradients(model) as trace:`` — filled when the block exits."""

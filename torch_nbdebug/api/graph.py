@@ -20,7 +20,7 @@ from torch import nn
 from torch_nbdebug.data.graph import GraphData, GraphNode
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.graph_infer import infer_modules, used_modules
-from torch_nbdebug.record.graph import DEFAULT_MAX_NODES, build_graph, module_types, tensor_names
+from torch_nbdebug.record.graph import DEFAULT_MAX_NODES, build_graph, module_types, parameter_aliases, tensor_names
 from torch_nbdebug.record.graph_recorder import GraphRecorder, last_recording
 from torch_nbdebug.record.modules import module_roots, parameter_names
 from torch_nbdebug.record.source import UserNamespace, caller_namespace, skipped_note
@@ -218,11 +218,13 @@ def _explore(outputs: list[tuple[str, torch.Tensor]], namespace: Mapping[str, An
     data = build_graph(outputs, param_names=parameter_names(roots), input_names=tensor_names(namespace),
                        modules=modules, module_types=all_types, saved=saved, max_nodes=max_nodes,
                        title=title or f"graph of {', '.join(label for label, _ in outputs)}",
-                       source="recorded" if recorded else "autograd")
+                       source="recorded" if recorded else "autograd", param_aliases=parameter_aliases(roots))
     ops = [n for n in data.nodes if n.kind == "op"]
-    if not recorded and not any(n.module for n in ops):
+    if not any(n.module for n in ops):
+        # no recording made these nodes (``%graph loss`` records while it evaluates ``loss``, which
+        # was computed in an earlier cell): infer the modules from the parameters instead
         data = infer_modules(data)
-    elif any(n.module for n in ops):
+    else:
         data = GraphData(**{**_fields(data), "source": "recorded"})
     data = mark_nan_birth(used_modules(data))
     skipped = tuple(dict.fromkeys(skipped + _skipped(namespace)))

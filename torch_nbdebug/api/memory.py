@@ -46,6 +46,13 @@ class MemoryTimeline(Displayable, data.MemoryTimeline):
 
         return TimelineView(self)
 
+    def to_tensorboard(self, logdir: Any) -> str:
+        """Write bytes by category over time and the peak as TensorBoard event files in ``logdir``
+        (returns it); needs ``pip install torch_nbdebug[tensorboard]``. See torch_nbdebug.api.tensorboard."""
+        from torch_nbdebug.api.tensorboard import to_tensorboard
+
+        return to_tensorboard(self, logdir)
+
 
 class MemoryState(Displayable, data.MemoryState):
     """Memory now; displays as text, a static bar + table and a widget."""

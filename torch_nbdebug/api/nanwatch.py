@@ -80,6 +80,13 @@ class NanReport(Displayable):
     def to_dict(self) -> dict[str, Any]:
         return self.summary.to_dict()
 
+    def to_tensorboard(self, logdir: Any) -> str:
+        """Write the births (as a text table) as TensorBoard event files in ``logdir`` (returns it);
+        needs ``pip install torch_nbdebug[tensorboard]``. See torch_nbdebug.api.tensorboard."""
+        from torch_nbdebug.api.tensorboard import to_tensorboard
+
+        return to_tensorboard(self, logdir)
+
 
 class NanWatch:
     """The context manager returned by :func:`nanwatch`."""
@@ -220,7 +227,8 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
     ignore_inf: report NaN only. raise_on_birth: raise :class:`NanBirthError` at the first birth (with
     defer, each check is then read at once: raising at the birth's line needs it).
     namespace: where to find variable names for modules/parameters (default: the caller's).
-    defer: keep flags on the device and read them at module boundaries (default: True on CUDA).
+    defer: keep flags on the device and read them once per training step, when the backward starts
+    (default: True on CUDA, where each read is a host synchronisation).
     """
     if mode not in MODES:
         raise InputError(f"nanwatch: mode must be 'op' (every op) or 'module' (module outputs only), not {mode!r}")

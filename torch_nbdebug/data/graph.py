@@ -67,6 +67,7 @@ class GraphNode:
     grad: Optional[GradInfo] = None
     nan: bool = False  # the last %%nanwatch found the first NaN/Inf born here
     topo: int = 0  # position in a forward (data-flow) topological order
+    aliases: tuple[str, ...] = ()  # every name of a tied parameter (``wte.weight``, ``lm_head.weight``)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ def _node_dict(node: GraphNode) -> dict[str, Any]:
             value = list(value)
         elif f.name == "outputs":
             value = [[list(s), d] for s, d in value]
+        elif f.name == "aliases":
+            value = list(value)
         out[f.name] = value
     return out
 
@@ -182,4 +185,5 @@ def _node_from(d: dict[str, Any]) -> GraphNode:
     d["saved"] = tuple(SavedInfo(**{**s, "shape": tuple(s["shape"]) if s.get("shape") is not None else None})
                        for s in d.get("saved", ()))
     d["grad"] = GradInfo(**d["grad"]) if d.get("grad") else None
+    d["aliases"] = tuple(d.get("aliases", ()))
     return GraphNode(**d)

@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
+
+
+def is_cell_file(filename: str) -> bool:
+    """Whether ``filename`` is a name IPython gave a notebook cell (its temp file names mean nothing
+    to users: ``/tmp/ipykernel_42/3270359850.py``, ``<ipython-input-7-...>``)."""
+    return "ipykernel_" in filename or filename.startswith("<ipython-input")
 
 
 @dataclass(frozen=True)
@@ -11,19 +17,32 @@ class SourceLine:
 
     ``filename`` is what Python compiled (for a notebook cell, IPython's cell name); ``lineno`` is
     1-based within it; ``text`` is the line itself, stripped; ``function`` is the enclosing
-    function (``<module>`` for top-level cell code).
+    function (``<module>`` for top-level cell code); ``cell`` is the execution count of the notebook
+    cell (the 7 of ``In [7]``) when known, as IPython numbers it in its own tracebacks.
     """
 
     filename: str
     lineno: int
     function: str = "<module>"
     text: str = ""
+    cell: Optional[int] = None
 
-    def __str__(self) -> str:
-        where = f"{self.filename}:{self.lineno}"
+    @property
+    def location(self) -> str:
+        """``In [7], line 14`` for a numbered cell, ``cell line 14`` for another cell, else ``file.py:14``;
+        `` in fn()`` added inside a function."""
+        if self.cell is not None:
+            where = f"In [{self.cell}], line {self.lineno}"
+        elif is_cell_file(self.filename):
+            where = f"cell line {self.lineno}"
+        else:
+            where = f"{self.filename}:{self.lineno}"
         if self.function and self.function != "<module>":
             where += f" in {self.function}()"
-        return f"{where}: {self.text}" if self.text else where
+        return where
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.text}" if self.text else self.location
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

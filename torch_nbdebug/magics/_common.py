@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import inspect
 import types
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torch_nbdebug.errors import InputError
+from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.source import running_cell_number
+from torch_nbdebug.render.live import LiveDisplay, Progress
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,7 +77,7 @@ class CellBody:
         if not tree.body:
             where = f"under the %%{magic} line" if magic else "in the cell"
             raise UsageError(f"{self._prefix}the cell has no code to run (only comments): put the code {where}")
-        filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
+        filename = shell.compile.cache(source, running_cell_number() or shell.execution_count, raw_code=cell)
         last = tree.body.pop().value if isinstance(tree.body[-1], ast.Expr) else None
         self._body = self._compile(ast.Module(tree.body, []), filename, "exec") if tree.body else None
         self._last = self._compile(ast.Expression(last), filename, "eval") if last is not None else None
@@ -145,3 +150,66 @@ def show_last(report: Any, args: Any, magic: str, purpose: str, show: Callable[[
         return report
     show(report)
     return None
+
+
+@contextlib.contextmanager
+def live_view(shell: Any, title: str, progress: Callable[[], Progress], show: Callable[[Any], Any],
+              enabled: bool = True) -> Iterator[LiveDisplay]:
+    """A live view of the running cell (see ``render/live.py``), counting optimizer steps.
+
+    Under an ipykernel front end (and ``enabled``: not when the magic will not show its report) the view
+    is shown now and every ``optimizer.step()`` of any optimizer ticks it (torch's global step post hook:
+    a counter and a clock read; ``progress()`` runs only when an update is due). Show the final report
+    with ``live.show`` inside the block: it replaces the view, or is shown with ``show`` when there is
+    none. Elsewhere nothing is shown or installed. The hook is removed and the view closed on exit,
+    also when the cell raised or was stopped.
+    """
+    live = LiveDisplay(title, progress, fallback=show, shell=shell, enabled=enabled)
+    handle = None
+    try:
+        with deferred_interrupts():  # a Stop while starting is raised once the hook is in place...
+            if live.active:
+                live.start()
+                handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: live.tick())
+        yield live
+    finally:
+        try:
+            if handle is not None:
+                handle.remove()  # ...so that it is always removed here
+        finally:
+            live.close()
+
+
+def unquote(value: Optional[str]) -> Optional[str]:
+    """IPython's argument splitting keeps the quotes of ``--tensorboard "my runs"``: drop one pair."""
+    if value is not None and len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
+def tensorboard_dir(value: Optional[str], magic: str) -> Optional[str]:
+    """The ``--tensorboard DIR`` of a magic, checked before the cell runs (a missing TensorBoard is a
+    UsageError saying how to install it, not a failure after a long training cell)."""
+    path = unquote(value)
+    if path is None:
+        return None
+    if not path.strip():
+        raise UsageError(f"{magic} --tensorboard needs a directory, e.g. --tensorboard runs/exp1")
+    from torch_nbdebug.api.tensorboard import require_tensorboard
+
+    try:
+        require_tensorboard()
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
+    return path
+
+
+def write_tensorboard(result: Any, path: Optional[str]) -> None:
+    """Write ``result`` (a trace with ``to_tensorboard``) to ``path`` and say where."""
+    if path is None or result is None:
+        return
+    try:
+        result.to_tensorboard(path)
+    except InputError as exc:
+        raise usage_errors(exc) from None
+    print(f"TensorBoard event files written to {path}: tensorboard --logdir {path}")

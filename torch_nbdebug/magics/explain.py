@@ -34,11 +34,15 @@ class ExplainMagics(Magics):
     def explain(self, line: str, cell: Optional[str] = None) -> Any:
         """Explain a PyTorch error: which op, module and line, the culprit, the operands and the fix.
 
-        ``%%explain`` on the first line of a cell runs it with a light recorder; if it raises, the
-        explanation card is shown under the traceback and your exception is re-raised unchanged.
-        ``%explain`` on its own line explains the last exception post mortem (like ``%debug``; nothing
-        is re-run). ``%explain --auto off`` stops the automatic paragraph under PyTorch tracebacks.
-        Python twins: ``with torch_nbdebug.explain() as ex:`` and ``torch_nbdebug.explain_exception(exc)``.
+        %%explain             on the first line of a cell: run it with a light recorder; if it
+                              raises, the explanation card is shown under the traceback and your
+                              exception is re-raised unchanged
+        %explain              on its own line: explain the last exception post mortem (like
+                              %debug; nothing is re-run)
+        %explain --auto off   stop the automatic paragraph under PyTorch tracebacks
+
+        Python twins:  with torch_nbdebug.explain() as ex: ...
+                       torch_nbdebug.explain_exception(exc)
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.explain, line)

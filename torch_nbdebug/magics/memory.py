@@ -9,7 +9,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, parse_args
+from torch_nbdebug.magics._common import CellBody, live_view, parse_args, tensorboard_dir, write_tensorboard
+from torch_nbdebug.magics._live import MemoryProgress
 
 
 @magics_class
@@ -19,6 +20,9 @@ class MemoryMagics(Magics):
               help="return the MemoryState / MemoryTimeline object (like %%timeit -o)")
     @argument("--device", default=None,
               help="cpu or cuda (default: cuda when available, else the CPU tensors with a note)")
+    @argument("--tensorboard", default=None, metavar="DIR",
+              help="cell magic (%%%%cudamem) only: also write the timeline (bytes by category) as TensorBoard "
+                   "event files to DIR")
     @argument("--top", type=int, default=10, help="how many of the largest tensors/allocations to list")
     @argument("--export", default=None, metavar="FILE.pickle",
               help="cell magic (%%%%cudamem) only: write a snapshot that PyTorch's memory viewer "
@@ -39,24 +43,28 @@ class MemoryMagics(Magics):
             raise UsageError(f"--top {args.top}: pass a positive count, e.g. --top 10")
         try:
             if cell is None or not cell.strip():
-                if args.export:
-                    raise UsageError("--export needs a cell to record: use it as %%cudamem --export file.pickle")
+                if args.export or args.tensorboard:
+                    raise UsageError("--export and --tensorboard need a cell to record: use them on %%cudamem, e.g. %%cudamem --tensorboard runs")
                 result = memory_state(self.shell.user_ns, device=args.device, top=args.top)
                 return result if args.output else display(result)
+            logdir = tensorboard_dir(args.tensorboard, "%%cudamem")
             body = CellBody(self.shell, cell, "cudamem")  # a bad cell is a UsageError before recording
             scope = memory_timeline(self.shell.user_ns, device=args.device, top=args.top,
                                     record_lines=not args.no_lines)
         except InputError as exc:
             raise UsageError(str(exc)) from None
         tl, finished = None, False
-        try:
-            with scope as tl:
-                body.run()  # like %%timeit: the timeline is shown, not the cell's value
-            finished = True
-        finally:
-            # With -o the returned timeline is the cell's output; if the cell raised, show it here.
-            if tl is not None and len(tl.steps) and not (finished and args.output):
-                display(tl)
+        with live_view(self.shell, "%%cudamem", MemoryProgress(scope), display,
+                       enabled=not args.output) as live:  # -o returns the timeline instead of showing it
+            try:
+                with scope as tl:
+                    body.run()  # like %%timeit: the timeline is shown, not the cell's value
+                finished = True
+            finally:
+                # With -o the returned timeline is the cell's output; if the cell raised, show it here.
+                if tl is not None and len(tl.steps) and not (finished and args.output):
+                    live.show(tl)
+        write_tensorboard(tl, logdir)
         if args.export:
             try:
                 path = write_snapshot(tl, args.export)

@@ -9,8 +9,9 @@ from IPython.display import display
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, keep_report, parse_args, require_body, run_body, show_last,
-                                          usage_errors)
+from torch_nbdebug.magics._common import (CellBody, keep_report, live_view, parse_args, require_body, run_body,
+                                          show_last, usage_errors)
+from torch_nbdebug.magics._live import NanwatchProgress
 
 
 @magics_class
@@ -32,11 +33,13 @@ class NanwatchMagics(Magics):
     def nanwatch(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell and report where the first NaN/Inf was born: the op, module and line of yours.
 
-        ``%%nanwatch [options]`` on the first line of a cell watches forward ops, the backward pass
-        and optimizer steps while the cell runs. The report is displayed (also when the cell
-        raises; your exception is re-raised unchanged) and stored as ``_nanwatch``.
-        ``%nanwatch`` on a line of its own shows the last report again (``-o`` returns it).
-        Python twin: ``with torch_nbdebug.nanwatch(mode=..., raise_on_birth=...) as report:``.
+        %%nanwatch [options]   on the first line of a cell: watch forward ops, the backward pass
+                               and optimizer steps while the cell runs
+        %nanwatch              on a line of its own: show the last report again (-o returns it)
+
+        The report is displayed (also when the cell raises; your exception is re-raised unchanged)
+        and stored as _nanwatch.
+        Python twin:  with torch_nbdebug.nanwatch(mode="op", raise_on_birth=False) as report: ...
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.nanwatch, line)
@@ -52,12 +55,15 @@ class NanwatchMagics(Magics):
             raise usage_errors(exc) from None
         report: NanReport = watch.report
         failed = True
-        try:
-            with watch:
-                value = run_body(self.shell, body)
-            failed = False
-        finally:
-            keep_report(self.shell, "_nanwatch", report, args, failed, display)
+        # The live view shows births as they come; the report replaces it (not with -q/-o: no report shown)
+        with live_view(self.shell, "%%nanwatch", NanwatchProgress(watch), display,
+                       enabled=not (args.quiet or args.return_report)) as live:
+            try:
+                with watch:
+                    value = run_body(self.shell, body)
+                failed = False
+            finally:
+                keep_report(self.shell, "_nanwatch", report, args, failed, live.show)
         if value is not None:
             display(value)
         return report if args.return_report else None

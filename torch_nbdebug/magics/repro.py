@@ -28,7 +28,7 @@ class ReproMagics(Magics):
         Before each run the state is restored: the modules, optimizers, LR schedulers, GradScalers,
         tensors, torch.Generators and DataLoaders in the namespace (parameters, buffers, gradients,
         optimizer state), the names the cell rebinds, and the random generators (torch CPU and CUDA,
-        NumPy, Python ``random``) unless --no-restore-rng. Afterwards the state is as if the cell had
+        NumPy, Python's random) unless --no-restore-rng. Afterwards the state is as if the cell had
         run once: an optimizer stepped in the cell has stepped once per step. Side effects outside
         torch (prints, files, appends to Python lists) happen twice.
 
@@ -36,8 +36,9 @@ class ReproMagics(Magics):
         agreed (or whose input came from outside torch): op, module, line, phase, size of the
         difference, and the cause - rng, uninitialized, external, nondeterministic_op or unknown -
         with the fix, the ops PyTorch lists as nondeterministic on the device, and a preflight of the
-        determinism settings. Stored as ``_repro``; ``%repro`` alone shows the last report again.
-        Python twin: ``torch_nbdebug.repro(fn, state=(model, opt), restore_rng=True)``.
+        determinism settings. Stored as _repro; %repro alone shows the last report again.
+
+        Python twin:  torch_nbdebug.repro(fn, state=(model, opt), restore_rng=True)
         """
         args = parse_args(self.repro, line)
         if cell is None:

@@ -2,9 +2,11 @@
 
 Groups are the modules on the nodes' paths plus, where a container would hold too many items to
 read, chunks of consecutive items (``model.0..124 ×125 Linear``, ``ops 1..500``), nested as deep as
-needed so that no container shows more than ``MAX_ITEMS`` things. A view is the set of expanded
-groups: every node is shown as itself when all its groups are open, else as its outermost closed
-group; edges between the shown items are merged with a count.
+needed so that no container shows more than ``MAX_ITEMS`` things. Siblings of identical structure
+(same module class tree and parameter shapes, whatever their names: ``h.0..11``, ``layer0..layer11``,
+``encoder_layer_0..11``) are one repeated group: their container when they fill it, else a run group
+around them. A view is the set of expanded groups: every node is shown as itself when all its groups
+are open, else as its outermost closed group; edges between the shown items are merged with a count.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ ROOT = ""
 MAX_ITEMS = 48  # most items a container shows before its items are chunked
 AUTO_BUDGET = 40  # most items the first view shows
 _NUMBER = re.compile(r"^\d+$")
+_TAIL = re.compile(r"^(.*?)(\d+)$")
+MIN_RUN = 2  # identical sibling blocks (modules with sub-modules) folded into one run group
+MIN_LEAF_RUN = 3  # identical leaf modules (``Linear``, ``Linear``, ``Linear``) folded into one run group
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,12 @@ class Group:
 
     id: str
     label: str
-    kind: str  # "module" or "chunk"
+    kind: str  # "module", "chunk", or "repeat" (a run of identical sibling modules inside a container)
     parent: str  # ROOT for top level
     path: Optional[str] = None
     type_name: str = ""
     size: int = 0  # graph nodes inside, at any depth
-    repeat: Optional[str] = None  # "0..11 ×12 Block" for runs of identical siblings
+    repeat: Optional[str] = None  # "0..11 ×12 Block": the group is a run of identical siblings
 
 
 @dataclass
@@ -77,13 +82,104 @@ def build_hierarchy(data: GraphData, max_items: int = MAX_ITEMS) -> Hierarchy:
     for container in list(items):
         items[container].sort(key=lambda i: first.get(i, 0))
     hier = Hierarchy(groups, items, parent, first)
+    shapes = structures(data, hier)
+    repeats: dict[str, str] = {}
     for container in list(items):
+        repeats.update(_fold_runs(hier, container, shapes))
+    for container in list(hier.items):
         _chunk(hier, container, max_items)
     sizes = _sizes(data, hier.parent)
     for gid, g in list(hier.groups.items()):
         hier.groups[gid] = Group(g.id, g.label, g.kind, hier.parent[gid], g.path, g.type_name, sizes.get(gid, 0),
-                                 _repeat(hier, gid))
+                                 repeats.get(gid))
     return hier
+
+
+Structure = tuple[str, tuple[tuple[str, tuple[int, ...]], ...], tuple["Structure", ...]]
+
+
+def structures(data: GraphData, hier: Hierarchy) -> dict[str, Structure]:
+    """Each module group's structure: its class, its own parameters' shapes (by name inside the module)
+    and its sub-modules' structures in forward order. Names of the modules themselves do not count, so
+    ``layer0`` and ``layer1`` match when they hold the same layers, and ResNet's ``layer1`` and
+    ``layer2`` differ by their channel counts."""
+    params: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for node in data.nodes:
+        owner = hier.parent.get(node.id, ROOT)
+        while owner in hier.groups and hier.groups[owner].kind != "module":  # a chunk of a module's items
+            owner = hier.parent[owner]
+        if node.kind == "param" and owner in hier.groups:
+            params.setdefault(owner, []).append((node.label.rpartition(".")[2], tuple(node.shape or ())))
+    out: dict[str, Structure] = {}
+
+    def of(gid: str) -> Structure:  # modules nest a few levels deep: recursion is fine here
+        if gid not in out:
+            subs = tuple(of(m) for m in _modules_in(hier, gid))
+            out[gid] = (hier.groups[gid].type_name, tuple(sorted(params.get(gid, ()))), subs)
+        return out[gid]
+
+    for gid, g in hier.groups.items():
+        if g.kind == "module":
+            of(gid)
+    return out
+
+
+def _modules_in(hier: Hierarchy, gid: str) -> list[str]:
+    """The sub-modules of a group in forward order, looking through chunk and run groups."""
+    found: list[str] = []
+    for item in hier.items.get(gid, ()):
+        group = hier.groups.get(item)
+        if group is not None:
+            found.extend([item] if group.kind == "module" else _modules_in(hier, item))
+    return found
+
+
+def _fold_runs(hier: Hierarchy, container: str, shapes: dict[str, Structure]) -> dict[str, str]:
+    """Mark a container whose items are all one repeated structure, or wrap each run of identical
+    sibling modules in a run group. Returns ``{group id: "0..11 ×12 Block"}``."""
+    members = hier.items[container]
+    runs = [run for run in _runs(members, shapes) if len(run) >= (MIN_RUN if shapes[run[0]][2] else MIN_LEAF_RUN)]
+    if container != ROOT and len(runs) == 1 and len(runs[0]) == len(members):
+        return {container: _repeat_label([hier.groups[m] for m in members])}
+    out: dict[str, str] = {}
+    for run in runs:
+        mods = [hier.groups[m] for m in run]
+        rid = f"r:{container}:{run[0]}"
+        label = _repeat_label(mods)
+        hier.groups[rid] = Group(rid, label, "repeat", container, None, mods[0].type_name)
+        hier.items[rid] = list(run)
+        hier.first[rid] = max(hier.first.get(m, 0) for m in run)
+        hier.parent[rid] = container
+        for m in run:
+            hier.parent[m] = rid
+        at = members.index(run[0])
+        members[at:at + len(run)] = [rid]
+        out[rid] = label
+    return out
+
+
+def _runs(members: list[str], shapes: dict[str, Structure]) -> list[list[str]]:
+    """Maximal runs (two or more) of consecutive module items of one structure."""
+    runs: list[list[str]] = []
+    cur: list[str] = []
+    for item in members + [""]:
+        if cur and item in shapes and shapes[item] == shapes[cur[0]]:
+            cur.append(item)
+            continue
+        if len(cur) >= 2:
+            runs.append(cur)
+        cur = [item] if item in shapes else []
+    return runs
+
+
+def _repeat_label(mods: list[Group]) -> str:
+    """``0..11 ×12 Block``; ``layer0..11``, ``encoder_layer_0..11`` for named siblings of one stem."""
+    names = [(m.path or m.label).rpartition(".")[2] for m in mods]
+    first, last = names[0], names[-1]
+    a, b = _TAIL.match(first), _TAIL.match(last)
+    if a and b and a.group(1) == b.group(1):
+        last = b.group(2)
+    return f"{first}..{last} ×{len(mods)} {mods[0].type_name}".rstrip()
 
 
 def _add_module(path: Optional[str], groups: dict[str, Group], parent: dict[str, str], types: dict[str, str]) -> None:
@@ -160,36 +256,11 @@ def _run_label(mods: list[Group]) -> Optional[str]:
     return f"{stem + '.' if stem else ''}{names[0]}..{names[-1]}"
 
 
-def _repeat(hier: Hierarchy, gid: str) -> Optional[str]:
-    """``0..11 ×12 Block`` for a container whose items are numbered modules of one class."""
-    members = _through_chunks(hier, gid)
-    if len(members) < 2 or not all(m in hier.groups and hier.groups[m].kind == "module" for m in members):
-        return None
-    mods = [hier.groups[m] for m in members]
-    types = {m.type_name for m in mods}
-    names = [(m.path or "").rpartition(".")[2] for m in mods]
-    if len(types) != 1 or not all(_NUMBER.match(n) for n in names):
-        return None
-    return f"{names[0]}..{names[-1]} ×{len(mods)} {types.pop()}".rstrip()
-
-
-def _through_chunks(hier: Hierarchy, gid: str) -> list[str]:
-    """The items of a container, looking through its chunks."""
-    out: list[str] = []
-    stack = list(reversed(hier.items.get(gid, ())))
-    while stack:
-        item = stack.pop()
-        if item in hier.groups and hier.groups[item].kind == "chunk":
-            stack.extend(reversed(hier.items[item]))
-        else:
-            out.append(item)
-    return out
-
-
 def auto_expand(hier: Hierarchy, budget: int = AUTO_BUDGET) -> frozenset[str]:
     """Open groups breadth-first while the view stays under ``budget`` items.
 
-    A repeated container (``blocks.0..47 ×48``) stays closed: it reads best as one box.
+    A repeated group (``blocks.0..3 ×4 Block``) stays closed: it reads best as one box, and opening
+    it is one click. It opens only when it would be the one thing shown.
     """
     expanded: set[str] = set()
     shown = len(hier.items[ROOT])
@@ -197,8 +268,7 @@ def auto_expand(hier: Hierarchy, budget: int = AUTO_BUDGET) -> frozenset[str]:
     while queue:
         gid = queue.pop(0)
         cost = len(hier.items[gid]) - 1
-        group = hier.groups[gid]
-        if shown + cost > budget or (group.repeat and group.size > 2 * budget and shown > 1):
+        if shown + cost > budget or (hier.groups[gid].repeat and shown > 1):
             continue
         expanded.add(gid)
         shown += cost
@@ -206,15 +276,16 @@ def auto_expand(hier: Hierarchy, budget: int = AUTO_BUDGET) -> frozenset[str]:
     return frozenset(expanded)
 
 
-def expand_modules(hier: Hierarchy, max_repeat: int = 8) -> frozenset[str]:
+def expand_modules(hier: Hierarchy) -> frozenset[str]:
     """The module-level view: open every group except leaf modules (those without sub-modules).
 
-    A repeated container of more than ``max_repeat`` blocks stays one box (``h.0..47 ×48 Block``);
-    its blocks are already open at module level when the user opens it.
+    A repeated group (``h.0..47 ×48 Block``) stays one box unless it is the only top-level item; its
+    blocks are already open at module level when the user opens it.
     """
+    alone = len(hier.items[ROOT]) == 1
     out = set()
     for gid, g in hier.groups.items():
-        if g.repeat and len(_through_chunks(hier, gid)) > max_repeat:
+        if g.repeat and not (alone and g.parent == ROOT):
             continue
         if g.kind == "chunk" or any(i in hier.groups for i in hier.items[gid]):
             out.add(gid)

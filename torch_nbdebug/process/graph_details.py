@@ -19,7 +19,7 @@ def short_module(path: Optional[str], within: Optional[str]) -> str:
 def group_label(hier: Hierarchy, gid: str) -> str:
     """A group's name relative to the module around it, with its repetition: ``blocks.0..11 ×12 Block``."""
     g = hier.groups[gid]
-    if g.kind == "chunk":
+    if g.kind in ("chunk", "repeat"):  # a run group's label is its repetition: ``layer0..11 ×12 Block``
         return g.label
     outer = _enclosing_module(hier, g.parent)
     name = short_module(g.path, outer)
@@ -59,6 +59,7 @@ def details(data: GraphData, hier: Hierarchy, item: str) -> dict[str, Any]:
         "outputs": [shape_text(s, d) for s, d in node.outputs],
         "saved": [s.brief() for s in node.saved], "seq": node.seq,
         "grad": node.grad.brief() if node.grad else "", "nan": node.nan,
+        "aliases": [a for a in node.aliases if a != node.label],  # a tied weight's other names
     }
     preds = [e.src for e in data.edges if e.dst == item]
     succs = [e.dst for e in data.edges if e.src == item]

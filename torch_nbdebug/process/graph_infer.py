@@ -97,13 +97,14 @@ def _direct_modules(nodes: list[GraphNode], preds: dict[str, list[str]],
     """Modules of params, parameter-only ops and the ops that consume them."""
     param_only: dict[str, Optional[str]] = {}
     direct: dict[str, str] = {}
+    tied = _tied_uses(nodes, preds, by_id)
     for n in nodes:
         if n.kind == "param":
             param_only[n.id] = n.module
         elif n.kind == "op" and n.label in _VIEWS and len(preds[n.id]) == 1 and preds[n.id][0] in param_only:
             # a view of one parameter (``t``, ``expand``); an op mixing several is real compute
             # (``wte(idx) + wpe(pos)`` depends on parameters only, yet is the model's first activation)
-            param_only[n.id] = param_only[preds[n.id][0]]
+            param_only[n.id] = tied.get((preds[n.id][0], n.id), param_only[preds[n.id][0]])
         if n.kind != "op":
             continue
         if n.module:
@@ -111,11 +112,44 @@ def _direct_modules(nodes: list[GraphNode], preds: dict[str, list[str]],
             continue
         # Parameters it reads directly win over parameter-only ops (``t`` of a weight): the first
         # Linear of a model whose input needs no grad is itself parameter-only.
-        params = [param_only[p] for p in preds[n.id] if by_id[p].kind == "param"]
+        params = [tied.get((p, n.id), param_only[p]) for p in preds[n.id] if by_id[p].kind == "param"]
         module = _prefix_all(params) or _prefix_all([param_only[p] for p in preds[n.id] if p in param_only])
         if module:
             direct[n.id] = module
     return direct
+
+
+def _tied_uses(nodes: list[GraphNode], preds: dict[str, list[str]],
+               by_id: dict[str, GraphNode]) -> dict[tuple[str, str], str]:
+    """``(parameter id, op id) -> module`` for each use of a tied parameter (one weight, several names).
+
+    GPT-2's ``wte.weight`` is also ``lm_head.weight``: the embedding lookup belongs to ``wte`` and the
+    output projection to ``lm_head``. Uses in forward order take the names in the order the model
+    declares them (the order ``named_parameters`` lists them); a view of the weight (``t``) counts
+    where the op that consumes it is.
+    """
+    succs: dict[str, list[str]] = {}
+    for n in nodes:
+        for p in preds[n.id]:
+            succs.setdefault(p, []).append(n.id)
+    out: dict[tuple[str, str], str] = {}
+    for n in nodes:
+        owners = [a.rpartition(".")[0] for a in n.aliases if "." in a]
+        uses = succs.get(n.id, [])
+        if n.kind != "param" or len(set(owners)) < 2 or len(uses) < 2:
+            continue
+        uses = sorted(uses, key=lambda u: _use_position(u, succs, by_id))
+        for k, use in enumerate(uses):
+            out[(n.id, use)] = owners[round(k * (len(owners) - 1) / (len(uses) - 1))]
+    return out
+
+
+def _use_position(op: str, succs: dict[str, list[str]], by_id: dict[str, GraphNode]) -> int:
+    """Forward position of a use of a weight: through its views, the op that computes with it."""
+    cur = op
+    while by_id[cur].label in _VIEWS and succs.get(cur):
+        cur = min(succs[cur], key=lambda s: by_id[s].topo)
+    return by_id[cur].topo
 
 
 def used_modules(data: GraphData) -> GraphData:

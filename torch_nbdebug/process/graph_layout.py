@@ -5,7 +5,8 @@ box: so groups never overlap and every container is a small graph (``MAX_ITEMS``
 user opens more). Per container: break cycles (collapsing can make them), rank by longest path,
 order each rank by barycentres of its neighbours for a few sweeps (crossing reduction), then place
 x at the mean of the neighbours without overlaps. Edges are drawn between the shown items' absolute
-positions.
+positions, and never through an open group's title: the band under a title is left free, and an
+edge that would enter straight through the title's text comes in to the right of it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from torch_nbdebug.process.graph import ROOT, ViewGraph
 GAP_X = 18.0
 GAP_Y = 30.0
 PAD = 12.0
-TITLE = 22.0
+TITLE = 22.0  # the title's band at the top of an open group (the renderer writes it at y + 15)
+HEAD = TITLE + 14.0  # title plus a free band where edges entering the group bend towards their item
 SWEEPS = 4
 NEAR = 3 * TITLE + 2 * PAD  # an item this close to its group's edge needs no detour along the margin
 
@@ -54,9 +56,10 @@ def layout(vg: ViewGraph, size: Callable[[str], tuple[float, float]],
            title_width: Optional[Callable[[str], float]] = None) -> Layout:
     """Place every shown item and open group of ``vg``; ``size(item)`` gives a closed item's w, h and
     ``title_width(group)`` the room an open group's title needs."""
-    local, lifted = _local_edges(vg)
+    local, lifted, parent = _local_edges(vg)
     rel: dict[str, tuple[float, float]] = {}  # item -> top-left inside its container
     dims: dict[str, tuple[float, float]] = {}
+    titles: dict[str, float] = {}  # open group -> the width its title text needs
     bends: dict[str, dict[tuple[str, str], list[tuple[float, float]]]] = {}
     for container in _bottom_up(vg):
         members = vg.items[container]
@@ -67,7 +70,8 @@ def layout(vg: ViewGraph, size: Callable[[str], tuple[float, float]],
         rel.update(pos)
         if container != ROOT:
             need = title_width(container) if title_width else 7.0 * min(len(container), 60) + 40
-            dims[container] = (max(w + 2 * PAD, need), h + TITLE + PAD)
+            titles[container] = need
+            dims[container] = (max(w + 2 * PAD, need), h + HEAD + PAD)
         else:
             dims[ROOT] = (w, h)
     boxes: dict[str, Box] = {}
@@ -78,7 +82,8 @@ def layout(vg: ViewGraph, size: Callable[[str], tuple[float, float]],
             lift = lifted.get((a, b))
             via = _bends(lift, bends, origin)
             if lift is not None:
-                via = _leave(a, lift[1], boxes) + via + _enter(b, lift[2], boxes)
+                frames = _frames(b, lift[2], parent, boxes)
+                via = _leave(a, lift[1], boxes) + via + _enter(b, frames, boxes, titles)
             routes.append(_route(a, b, n, boxes, via))
     width, height = dims[ROOT]
     return Layout(boxes, tuple(routes), width, height)
@@ -95,15 +100,34 @@ def _leave(item: str, outer: str, boxes: dict[str, Box]) -> list[tuple[float, fl
     return [(x, s.y + s.h + GAP_Y / 3), (x, frame.y + frame.h)]
 
 
-def _enter(item: str, outer: str, boxes: dict[str, Box]) -> list[tuple[float, float]]:
-    """An edge to deep inside an open group enters along its inner left margin, not across its boxes."""
-    if item == outer:
+def _frames(item: str, outer: str, parent: dict[str, str], boxes: dict[str, Box]) -> list[Box]:
+    """The open groups an edge to ``item`` enters, outermost (``outer``) first."""
+    out: list[Box] = []
+    cur = parent.get(item, ROOT)
+    while item != outer and cur != ROOT:
+        out.append(boxes[cur])
+        if cur == outer:
+            break
+        cur = parent.get(cur, ROOT)
+    out.reverse()
+    return out
+
+
+def _enter(item: str, frames: list[Box], boxes: dict[str, Box], titles: dict[str, float]) -> list[tuple[float, float]]:
+    """An edge to deep inside an open group enters along its inner left margin, not across its boxes;
+    one to the group's first rank enters straight, to the right of any title it would cross."""
+    if not frames:
         return []
-    t, frame = boxes[item], boxes[outer]
-    if t.y - frame.y < NEAR:  # on the first rank: straight in is clearer
+    t, frame = boxes[item], frames[0]
+    if t.y - frame.y >= NEAR:
+        x = frame.x + 4  # left of the title's text (it starts at x + 8)
+        return [(x, frame.y), (x, t.y - GAP_Y / 3)]
+    centre = t.x + t.w / 2
+    ends = [f.x + titles.get(f.id, 0.0) - 8 for f in frames]
+    if not any(f.x <= centre <= end for f, end in zip(frames, ends)):
         return []
-    x = frame.x + 4
-    return [(x, frame.y), (x, t.y - GAP_Y / 3)]
+    x = min(max(ends) + 4, frame.x + frame.w - 4)
+    return [(x, frame.y), (x, frames[-1].y + TITLE)]
 
 
 def _bends(lift: Optional[tuple[str, str, str]], bends: dict[str, dict[tuple[str, str], list[tuple[float, float]]]],
@@ -132,10 +156,12 @@ def _bottom_up(vg: ViewGraph) -> list[str]:
     return order
 
 
-def _local_edges(vg: ViewGraph) -> tuple[dict[str, list[tuple[str, str]]], dict[tuple[str, str], tuple[str, str, str]]]:
+def _local_edges(vg: ViewGraph) -> tuple[dict[str, list[tuple[str, str]]], dict[tuple[str, str], tuple[str, str, str]],
+                                         dict[str, str]]:
     """Each shown edge, lifted to the container holding both ends as its two direct items.
 
-    Returns the lifted edges per container and, per shown edge, ``(container, item, item)``.
+    Returns the lifted edges per container, per shown edge ``(container, item, item)``, and each
+    shown item's container.
     """
     parent = {i: c for c, items in vg.items.items() for i in items}
     chains: dict[str, list[str]] = {}
@@ -162,7 +188,7 @@ def _local_edges(vg: ViewGraph) -> tuple[dict[str, list[tuple[str, str]]], dict[
         if k < len(ca) and k < len(cb):
             local.setdefault(ca[k - 1], []).append((ca[k], cb[k]))
             lifted[(a, b)] = (ca[k - 1], ca[k], cb[k])
-    return local, lifted
+    return local, lifted, parent
 
 
 def _place(members: list[str], edges: list[tuple[str, str]], dims: dict[str, tuple[float, float]]
@@ -339,7 +365,7 @@ def _absolute(vg: ViewGraph, rel: dict[str, tuple[float, float]], dims: dict[str
             w, h = dims[item]
             if item in vg.items:
                 boxes[item] = Box(item, "cluster", ax, ay, w, h)
-                origin[item] = (ax + PAD, ay + TITLE)
+                origin[item] = (ax + PAD, ay + HEAD)
                 stack.append(item)
             else:
                 boxes[item] = Box(item, "item", ax, ay, w, h)

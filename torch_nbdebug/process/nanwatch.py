@@ -178,7 +178,9 @@ def mark_births(layers: Sequence[LayerStats], events: Sequence[NanEvent]) -> tup
     """Mark the table row of the first birth's module (the innermost module that contains it)."""
     first = first_birth(events)
     target = first.module if first is not None else None
-    return tuple(dataclasses.replace(layer, birth=(layer.module == target)) for layer in layers)
+    # Only rows whose mark changes are copied (a healthy watch copies none).
+    return tuple(layer if layer.birth == (layer.module == target) else dataclasses.replace(layer, birth=not layer.birth)
+                 for layer in layers)
 
 
 def summarize_watch(events: Sequence[NanEvent], absorbed_idx: set[int], layers: Sequence[LayerStats],

@@ -1,23 +1,26 @@
 """Record per-parameter gradient statistics of one model: a snapshot, or every step of a loop.
 
 Speed matters more than anything here (a recorder that slows training by 50% is not used), so a
-recorded step launches a fixed handful of batched ops and never synchronises with the host:
+recorded step launches a fixed handful of batched ops, whatever the number of parameters, and never
+synchronises with the host (see :mod:`torch_nbdebug.record.grads_steps`):
 
-- exact per parameter: L2 norm (``_foreach_norm``), min/max (``aminmax``: one vectorised pass on
-  CPU, unlike the inf-norm), sum (mean/std follow from norm and sum), and the parameter's norm;
+- exact per parameter: L2 norms of gradients and parameters (one ``_foreach_norm`` each); sum and
+  min/max, from the gathered sample for the parameters taken whole, directly for the others;
 - from a fixed random sample of at most ``sample`` elements per parameter, gathered into one flat
-  tensor: the histogram (one ``index_add_`` for all parameters), mean |g|, zero/NaN/Inf fractions and
-  the update ratio ‖Δw‖/‖w‖ (the sample of w is taken before and after ``optimizer.step()``).
-  Parameters with at most ``sample`` elements are sampled whole, so their values are exact.
+  tensor: the histogram, mean |g|, zero/NaN/Inf fractions and the update ratio ‖Δw‖/‖w‖ (the sample
+  of w is taken before and after ``optimizer.step()``). Parameters with at most ``sample`` elements
+  are sampled whole, so their values are exact.
 
-Results stay on the device and are copied to the host every ``_FLUSH`` steps in one transfer. The
-last step is recomputed exactly at exit when its gradients are still there (``exact_last``).
+The samples stay on the device; every ``_FLUSH`` steps (or ``_MAX_KEPT`` elements, or at the end)
+they are reduced for all kept steps at once and copied to the host in one transfer. The last step is
+recomputed exactly at exit when its gradients are still there (``exact_last``), its first copy joined
+with that last transfer: a recording of a few steps costs two host synchronisations in all.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +29,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
 from torch_nbdebug.record import compat
-from torch_nbdebug.record.grads_stats import RAW, Sampler, activation_row, exact_rows, raw_to_stats, sampled_rows, usable
+from torch_nbdebug.record.grads_stats import (
+    activation_row, exact_job, exact_rows, raw_to_stats, run_job, to_host, usable,
+)
+from torch_nbdebug.record.grads_steps import RAW, Sampler, norms_only, reduce_rows, sampled_rows
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 
 # Forward order learnt by a recording, reused by later snapshots of the same model (weak: never
@@ -34,6 +40,7 @@ from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 _FORWARD_ORDER: "WeakIdMap[nn.Module, tuple[str, ...]]" = WeakIdMap()
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
+_MAX_KEPT = 1 << 24  # sample elements kept on the device between host copies (64 MB of float32)
 
 
 def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None
@@ -102,6 +109,7 @@ class GradRecorder:
         self._steps = 0
         self._hist_every = 1
         self._before: Optional[torch.Tensor] = None
+        self._kept = 0  # sample elements held by the pending rows
         self._last: Optional[list[tuple[Any, int]]] = None
         self.trace: Optional[GradTrace] = None
 
@@ -201,73 +209,91 @@ class GradRecorder:
         row = None
         if not self._opt_seen:  # from now on steps are optimizer steps: drop the backward-only rows
             reuse = self._pending[-1] if self._pending and self._last_still_there() else None
-            self._opt_seen, self._pending, self._host, self._steps = True, [], [], 0
+            self._opt_seen, self._pending, self._host, self._steps, self._kept = True, [], [], 0, 0
             if reuse is not None:  # the last backward's row already holds these very gradients
                 row = dict(reuse, step=0, kind="optimizer")
                 self._pending.append(row)
-                self._steps = 1
+                self._steps, self._kept = 1, row["layout"].size
         row = row or self._record("optimizer")
         if row is not None:
-            self._before = self._sampler.gather([self._params[i] for i in row["present"]], row["present"], row["dev"])
+            with torch.no_grad():
+                self._before = self._gather_params(row)
 
     def _after_step(self, opt: Any) -> None:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
             return
         row = self._pending[-1]
-        with torch.no_grad():
-            after = self._sampler.gather([self._params[i] for i in row["present"]], row["present"], row["dev"])
-            seg, n = self._sampler.seg(row["present"], row["dev"]), len(row["present"])
-            per = lambda v: torch.zeros(n, device=row["dev"]).index_add_(0, seg, v)  # noqa: E731
-            ratio = per((after - self._before).square()).sqrt() / per(self._before.square()).sqrt()
-            row["raw"][row["index"], RAW.index("update_ratio")] = ratio
+        with torch.no_grad():  # reduced with the row at the next flush: no work per parameter now
+            row["before"], row["after"] = self._before, self._gather_params(row)
+        self._kept += 2 * row["layout"].size
         self._before = None
+
+    def _gather_params(self, row: dict[str, Any]) -> torch.Tensor:
+        return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"])
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
         present = tuple(i for i, p in enumerate(self._params) if usable(p.grad))
         if not present:
             return None
+        if len(self._pending) >= _FLUSH or self._kept >= _MAX_KEPT:
+            self._flush()  # before this row, so its update ratio still joins it after the step
         with torch.no_grad():
-            want_hist = self._steps % self._hist_every == 0
-            out = sampled_rows(self._params, present, self._sampler, self.bins if want_hist else None)
-            dev = out["raw"].device
-            index = self._sampler.consts(present, dev)["index"]
-            full = torch.full((len(self._params), len(RAW) + 1), math.nan, device=dev)
-            full[:, -1] = 0
-            full[index] = torch.cat([out["raw"], torch.ones(len(present), 1, device=dev)], 1)
-            row: dict[str, Any] = {"step": self._steps, "kind": kind, "present": present, "dev": dev,
-                                   "index": index, "raw": full}
-            if want_hist:
-                row["hist"] = torch.zeros(len(self._params), self.bins, device=dev).index_copy_(0, index, out["hist"])
-                row["range"] = torch.full((len(self._params), 2), math.nan, device=dev).index_copy_(0, index, out["range"])
+            row = sampled_rows(self._params, present, self._sampler)
+            row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
+                dev = row["layout"].device
                 nan = torch.full((len(ACT_FIELDS),), math.nan, device=dev)
                 row["act"] = torch.stack([self._act.get(li, nan).to(dev) for li in range(len(self._live))])
         self._last = [(weakref.ref(self._params[i].grad), compat.tensor_version(self._params[i].grad)) for i in present]
         self._pending.append(row)
+        self._kept += row["layout"].size
         self._steps += 1
-        if len(self._pending) >= _FLUSH:
-            self._flush()
         return row
 
-    def _flush(self) -> None:
-        """One device-to-host copy for many steps (not one per parameter or per step)."""
-        rows, self._pending = self._pending, []
-        if not rows:
-            return
-        raws = torch.stack([r["raw"] for r in rows]).cpu().numpy()
-        with_hist = [r for r in rows if "hist" in r]
-        hists = torch.stack([r["hist"] for r in with_hist]).cpu().numpy() if with_hist else None
-        ranges = torch.stack([r["range"] for r in with_hist]).cpu().numpy() if with_hist else None
-        acts = torch.stack([r["act"] for r in rows]).cpu().numpy() if self.activations else None
+    def _flush(self, extra: Sequence[torch.Tensor] = (), last_exact: bool = False) -> list[np.ndarray]:
+        """Reduce the kept steps and copy them to the host with ``extra``: one transfer for many steps
+        (not one per parameter or per step). Returns the host copies of ``extra``. ``last_exact``: the
+        last step is recomputed exactly, so only its norms and update ratio are needed from here."""
+        rows, self._pending, self._kept = self._pending, [], 0
+        groups: list[list[dict[str, Any]]] = []
+        for r in rows[:-1] if last_exact else rows:  # consecutive steps with the same parameters together
+            if groups and groups[-1][0]["layout"] is r["layout"]:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        with torch.no_grad():
+            reduced = [reduce_rows(g, self.bins) for g in groups]
+            if last_exact and rows:
+                groups.append(rows[-1:])
+                reduced.append(norms_only(rows[-1:]))
+            for g, out in zip(groups, reduced):
+                if self.activations:
+                    out["act"] = torch.stack([r["act"] for r in g])
+        wanted = [t for out in reduced for t in out.values()]
+        host = iter(to_host(wanted + list(extra)))
+        for group, out in zip(groups, reduced):
+            self._keep_on_host(group, {key: next(host) for key in out})
+        if rows:
+            self._thin()
+        return list(host)
+
+    def _keep_on_host(self, group: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> None:
+        """Scatter a reduced group's rows back to every parameter (NaN and has_grad 0 where absent)."""
+        n_p = len(self._params)
+        present = list(group[0]["present"])
         j = 0
-        for i, r in enumerate(rows):
-            host = {"step": r["step"], "kind": r["kind"], "raw": raws[i], "act": None if acts is None else acts[i]}
-            if "hist" in r:
-                host["hist"], host["range"] = hists[j], ranges[j]
+        for i, r in enumerate(group):
+            raw = np.full((n_p, len(RAW) + 1), np.nan)
+            raw[:, -1] = 0
+            raw[present, :-1], raw[present, -1] = arrays["raw"][i], 1
+            host: dict[str, Any] = {"step": r["step"], "kind": r["kind"], "raw": raw,
+                                    "act": arrays["act"][i] if "act" in arrays else None}
+            if r["want_hist"] and "hist" in arrays:
+                host["hist"], host["range"] = np.zeros((n_p, self.bins)), np.full((n_p, 2), np.nan)
+                host["hist"][present], host["range"][present] = arrays["hist"][j], arrays["range"][j]
                 j += 1
             self._host.append(host)
-        self._thin()
 
     def _thin(self) -> None:
         """Keep at most _MAX_HISTS histograms: drop every other one and halve the rate when over."""
@@ -279,10 +305,13 @@ class GradRecorder:
 
     # -- result ----------------------------------------------------------------------------
     def finish(self) -> GradTrace:
-        self._flush()
         if self._order:
             remember_order(self.model, tuple(self._order))
         live, params, layers, infos, order = layers_of(self.model, self.name, tuple(self._order) or None)
+        redo = (self._host or self._pending) and self.exact_last and self._last_still_there()
+        job = exact_job(params, self.bins, param_norms=False) if redo else None
+        # The kept steps and the exact last step's first reductions share one host copy.
+        first = self._flush(next(job) if job is not None else (), last_exact=job is not None)
         old = {id(p): i for i, p in enumerate(self._params)}
         perm = [old[id(p)] for p in params]
         lperm = [[s for s, _ in self._live].index(sub) for sub, _ in live]
@@ -296,8 +325,8 @@ class GradRecorder:
         skipped = [info.name for info, p in zip(self._infos, self._params) if p.grad is not None and not usable(p.grad)]
         if skipped:
             notes.append(f"sparse, complex or integer gradients not analysed: {', '.join(skipped[:5])}")
-        if self._host and self.exact_last and self._last_still_there():
-            s_last, h_last, r_last = exact_rows(params, self.bins)
+        if job is not None:
+            s_last, h_last, r_last = run_job(job, first)
             for key in ("update_ratio", "param_norm"):  # both belong to the moment of the step, not now
                 s_last[:, FIELD[key]] = stats[-1, :, FIELD[key]]
             stats[-1], exact[-1] = s_last, True
@@ -334,8 +363,33 @@ class GradRecorder:
     def _release(self) -> None:
         """Drop every reference to the user's tensors (the trace holds numbers only)."""
         self._params, self._live, self._act, self._last, self._before = [], [], {}, None, None
+        if getattr(self, "_sampler", None) is not None:
+            self._sampler.release()
         self._sampler = None  # type: ignore[assignment]
         self._covers = WeakIdMap()
+
+    # -- live progress (read-only) -----------------------------------------------------------
+    def progress(self, since: int = 0) -> tuple[str, tuple[int, ...], np.ndarray, tuple[str, ...]]:
+        """For a live view while recording: the step kind, then for the rows from ``since`` on their
+        steps and per-layer gradient norms ``[S, L]`` (NaN where a layer had no gradient), and the layer
+        names. The norms of the rows still on the device are copied now, in one transfer: call it only
+        when a view update is due, never per step. A change of kind (backward -> optimizer) restarts the rows."""
+        kind = "optimizer" if self._opt_seen else "backward"
+        names = tuple(layer.name for layer in self._layers)
+        done, pending = self._host[since:], self._pending[max(0, since - len(self._host)):]
+        if not (done or pending) or not self._params:
+            return kind, (), np.zeros((0, len(names))), names
+        raw = np.zeros((len(done) + len(pending), len(self._params), 2))  # norm, has_grad
+        for i, r in enumerate(done):
+            raw[i] = r["raw"][:, [0, -1]]
+        for i, (r, norms) in enumerate(zip(pending, to_host([r["norm"] for r in pending])), len(done)):
+            raw[i, list(r["present"])] = np.stack([norms, np.ones(len(norms))], 1)
+        squares = np.where(raw[:, :, 1] == 1, raw[:, :, 0], 0.0) ** 2  # [S, P]; absent params count 0
+        norms = np.full((len(raw), len(names)), np.nan)
+        for li, layer in enumerate(self._layers):
+            present = raw[:, list(layer.params), 1].max(axis=1) == 1
+            norms[present, li] = np.sqrt(squares[present][:, list(layer.params)].sum(axis=1))
+        return kind, tuple(int(r["step"]) for r in done + pending), norms, names
 
 
 __all__ = ["GradRecorder", "layers_of", "exact_rows", "remember_order"]

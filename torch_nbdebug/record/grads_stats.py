@@ -1,32 +1,26 @@
 """Gradient statistics of many parameters computed together, for :mod:`torch_nbdebug.record.grads`.
 
-Two paths. :func:`exact_rows` covers every element (a snapshot, and the last recorded step): a few
-host synchronisations in all. :func:`sampled_rows` is the per-step path: exact norms, sums and
-min/max per parameter, everything else from a fixed random sample gathered into one flat tensor, and
-no host synchronisation at all — results stay device tensors until the recorder copies many steps
-at once. Device-side constants (segment ids, index tensors) are built once per set of parameters,
-because creating a tensor from Python values on a GPU waits for the queue to drain.
+:func:`exact_rows` covers every element (a snapshot, and the last recorded step). It runs as a
+:func:`exact_job`: a generator that hands over the device tensors it needs on the host and gets
+them back copied, so a caller can join those copies with its own (the recorder copies its last
+steps and this in one transfer). Two host synchronisations in all for finite gradients (the
+per-parameter reductions, then the histograms that need their ranges), one more when some gradient
+holds a NaN or an Inf. The per-step path is :mod:`torch_nbdebug.record.grads_steps`.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
 from torch_nbdebug.data.grads import FIELD, FIELDS, ParamInfo
-from torch_nbdebug.record import compat
+from torch_nbdebug.record.grads_steps import RAW, float_norms
 
-RAW = ("norm", "sum", "min", "max", "mean_abs", "zeros", "nan", "inf", "param_norm", "update_ratio")
-
-
-def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
-    """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf."""
-    if all(t.dtype == torch.float32 for t in tensors):
-        return compat.foreach_norm(tensors, ord)
-    return compat.foreach_norm(tensors, ord, dtype=torch.float32)
+# A job yields the device tensors it wants on the host and is sent their host copies back.
+ExactJob = Generator[list[torch.Tensor], list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def usable(grad: Optional[torch.Tensor]) -> bool:
@@ -34,93 +28,157 @@ def usable(grad: Optional[torch.Tensor]) -> bool:
     return grad is not None and grad.layout == torch.strided and grad.is_floating_point() and grad.numel() > 0
 
 
-def exact_rows(params: list[nn.Parameter], bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every statistic over every element (a snapshot): stats [P, F], hist [P, B], range [P, 2].
+def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Copy device tensors to the host as float64 arrays: one transfer per device, not one per tensor."""
+    out: list[Optional[np.ndarray]] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for ids in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).double() for i in ids]).cpu().numpy()
+        start = 0
+        for i in ids:
+            size = tensors[i].numel()
+            out[i] = flat[start:start + size].reshape(tuple(tensors[i].shape))
+            start += size
+    return out  # type: ignore[return-value]
 
-    Two host synchronisations in all (not one per parameter): the per-parameter reductions are
-    stacked first; the histogram ranges are then read once to call ``histc``.
-    """
+
+def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drive a job: each of its requests is one host copy. ``first``: the host copy of its first
+    request, when the caller took that request (``next(job)``) and copied it with its own tensors."""
+    try:
+        wanted = next(job) if first is None else job.send(first)
+        while True:
+            wanted = job.send(to_host(wanted))
+    except StopIteration as stop:
+        return stop.value
+
+
+def exact_rows(params: list[nn.Parameter], bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every statistic over every element (a snapshot): stats [P, F], hist [P, B], range [P, 2]."""
+    return run_job(exact_job(params, bins))
+
+
+def exact_job(params: list[nn.Parameter], bins: int, param_norms: bool = True) -> ExactJob:
+    """:func:`exact_rows` as a job (see the module docstring). Without ``param_norms`` the parameter
+    norms stay NaN (a recorder keeps those of the moment of the step): one pass less over the weights."""
     n_p = len(params)
     stats = np.full((n_p, len(FIELDS)), np.nan)
     hist, rng = np.zeros((n_p, bins)), np.full((n_p, 2), np.nan)
+    stats[:, FIELD["has_grad"]] = [usable(p.grad) for p in params]
+    present = [i for i, p in enumerate(params) if usable(p.grad)]
     with torch.no_grad():
-        stats[:, FIELD["param_norm"]] = _stack(float_norms([p.detach() for p in params])) if params else []
-        stats[:, FIELD["has_grad"]] = [usable(p.grad) for p in params]
-        present = [i for i, p in enumerate(params) if usable(p.grad)]
+        norms = param_norms and bool(params)
+        wanted = [torch.stack(float_norms([p.detach() for p in params]))] if norms else []
+        grads = [params[i].grad.detach() for i in present]
+        if grads:
+            wanted += _first_columns(grads)
+        host = yield wanted
+        if norms:
+            stats[:, FIELD["param_norm"]] = host.pop(0)
         if not present:
             return stats, hist, rng
-        grads = [params[i].grad.detach() for i in present]
-        cols = _exact_columns(grads)
+        cols, counts, lo_hi = yield from _exact_columns(grads, bins, *host)
         for key, values in cols.items():
             stats[present, FIELD[key]] = values
-        counts, lo_hi = _exact_hists(grads, cols["min"], cols["max"], bins)
         hist[present], rng[present] = counts, lo_hi
     return stats, hist, rng
 
 
-def _exact_columns(grads: list[torch.Tensor]) -> dict[str, np.ndarray]:
-    """Per-parameter reductions; a finite norm proves every element finite, so only gradients with
-    a NaN/Inf (or an overflowing norm) pay for the masked copies."""
-    norms = _stack(float_norms(grads))
+def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-parameter reductions that need no decision on the host: norm, non-zeros, dead units, and
+    sum, L1 norm and min/max as they are for a finite gradient."""
+    minmax = [torch.aminmax(g) for g in grads]
+    # |g| summed per unit (dim 0), in float32: a unit is dead when its sum is 0, and the sums add up
+    # to the L1 norm. One vectorised pass, where a != 0 mask and any() took two and a temporary.
+    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1, dtype=torch.float32) if g.dim() >= 2
+             else None for g in grads]
+    flat = iter(float_norms([g for g, u in zip(grads, units) if u is None], 1) if any(u is None for u in units) else ())
+    return [torch.stack(float_norms(grads)),
+            torch.stack([torch.count_nonzero(g) for g in grads]),
+            torch.stack([g.new_full((), math.nan) if u is None else (u == 0).sum()  # a fill, not a host copy
+                         for g, u in zip(grads, units)]),
+            # float32 sums are pairwise (accurate enough for a mean) and much faster than float64 ones on CPU.
+            torch.stack([g.sum(dtype=torch.float32) for g in grads]),
+            torch.stack([next(flat) if u is None else u.sum() for u in units]),
+            torch.stack([m.min.float() for m in minmax]), torch.stack([m.max.float() for m in minmax])]
+
+
+def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonzero: np.ndarray, dead: np.ndarray,
+                   total: np.ndarray, l1: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                   ) -> Generator[list[torch.Tensor], list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Columns and histograms from the first copy. A finite norm proves every element finite, so only
+    gradients with a NaN/Inf (or an overflowing norm) pay for the masked reductions; the histograms of
+    the others, the masked reductions and the float64 variances come back in one copy, and the
+    histograms of the non-finite ones (whose ranges that copy gives) in one more."""
+    numel = np.array([g.numel() for g in grads], float)
     cols = {k: np.full(len(grads), np.nan) for k in ("mean", "std", "min", "max", "max_abs", "mean_abs")}
-    cols["norm"] = norms
-    cols["zeros"] = np.array([g.numel() for g in grads], float) - _stack([torch.count_nonzero(g) for g in grads])
-    cols["dead_units"] = _stack([(g.reshape(g.shape[0], -1) != 0).any(1).logical_not().sum() if g.dim() >= 2
-                                 else g.new_tensor(math.nan) for g in grads])
+    cols.update(norm=norms, zeros=numel - nonzero, dead_units=dead, nan=np.zeros(len(grads)), inf=np.zeros(len(grads)))
     finite = np.isfinite(norms)
-    cols["nan"] = np.zeros(len(grads))
-    cols["inf"] = np.zeros(len(grads))
-    clean = [i for i in range(len(grads)) if finite[i]]
-    dirty = [i for i in range(len(grads)) if not finite[i]]
-    if clean:
-        _finite_columns(cols, clean, [grads[i] for i in clean], norms[clean])
-    if dirty:
-        cols["nan"][dirty] = _stack([torch.isnan(grads[i]).sum() for i in dirty])
-        cols["inf"][dirty] = _stack([torch.isinf(grads[i]).sum() for i in dirty])
-        masked = [torch.where(torch.isfinite(grads[i]), grads[i].float(), math.nan) for i in dirty]
-        fsq = _stack([torch.nansum(m.double() ** 2) for m in masked])
-        _finite_columns(cols, dirty, masked, np.sqrt(fsq), nan_aware=True)
-    return cols
-
-
-def _finite_columns(cols: dict[str, np.ndarray], rows: list[int], grads: list[torch.Tensor], norms: np.ndarray,
-                    nan_aware: bool = False) -> None:
-    """mean/std/min/max/mean |g| over the finite elements (NaN marks the others when ``nan_aware``)."""
-    n = _stack([(~torch.isnan(g)).sum() for g in grads]) if nan_aware else np.array([g.numel() for g in grads], float)
-    # float32 sums are pairwise (accurate enough for a mean) and much faster than float64 ones on CPU.
-    total = _stack([torch.nansum(g.float()) if nan_aware else g.sum(dtype=torch.float32) for g in grads])
-    l1 = _stack([torch.nansum(g.abs(), dtype=torch.float64) for g in grads]) if nan_aware else \
-        _stack(float_norms(grads, 1))
-    if nan_aware:
-        lo = _stack([torch.where(torch.isnan(g), math.inf, g).amin() for g in grads])
-        hi = _stack([torch.where(torch.isnan(g), -math.inf, g).amax() for g in grads])
-    else:
-        mm = [torch.aminmax(g) for g in grads]
-        lo, hi = _stack([m.min for m in mm]), _stack([m.max for m in mm])
-    mean = total / np.maximum(n, 1)
-    var = np.maximum(norms ** 2 - n * mean ** 2, 0) / np.maximum(n - 1, 1)
+    clean, dirty = np.flatnonzero(finite), np.flatnonzero(~finite)
+    mean, var = _moments(norms[clean], total[clean], numel[clean])
     # Nearly constant gradients cancel in norm² - n·mean²: recompute those few in float64.
-    redo = [i for i in range(len(grads)) if n[i] > 1 and var[i] <= 1e-4 * mean[i] ** 2]
-    for i in redo:
-        g = grads[i].double()
-        var[i] = float(torch.var(g[~torch.isnan(g)] if nan_aware else g))
+    redo = [j for j in range(len(clean)) if numel[clean[j]] > 1 and var[j] <= 1e-4 * mean[j] ** 2]
+    wanted = [torch.stack([torch.var(grads[clean[j]].double()) for j in redo])] if redo else []
+    if len(dirty):
+        wanted += _masked_columns([grads[i] for i in dirty])
+    counts, rng = np.zeros((len(grads), bins)), np.full((len(grads), 2), np.nan)
+    rows, hists = _histograms(grads, clean, lo, hi, bins, rng)
+    host = (yield wanted + hists) if wanted or hists else []
+    if hists:
+        counts[rows] = host.pop()
+    if redo:
+        var[redo] = host.pop(0)
+    _set(cols, clean, mean, var, lo[clean], hi[clean], l1[clean] / np.maximum(numel[clean], 1), numel[clean])
+    if len(dirty):
+        n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var = host
+        cols["nan"][dirty], cols["inf"][dirty] = n_nan, n_inf
+        _set(cols, dirty, d_total / np.maximum(n, 1), d_var, d_lo, d_hi, d_l1 / np.maximum(n, 1), n)
+        rows, hists = _histograms(grads, dirty, cols["min"], cols["max"], bins, rng)
+        if hists:
+            (counts[rows],) = yield hists
+    return cols, counts, rng
+
+
+def _moments(norms: np.ndarray, total: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mean = total / np.maximum(n, 1)
+    return mean, np.maximum(norms ** 2 - n * mean ** 2, 0) / np.maximum(n - 1, 1)
+
+
+def _masked_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """NaN/Inf counts and the statistics of the finite elements (NaN marks the others); the variance
+    in float64 and two passes, as the nearly constant case needs."""
+    masked = [torch.where(torch.isfinite(g), g.float(), math.nan) for g in grads]
+    n = [(~torch.isnan(m)).sum() for m in masked]
+    means = [torch.nansum(m.double()) / c.clamp(min=1) for m, c in zip(masked, n)]
+    return [torch.stack([torch.isnan(g).sum() for g in grads]), torch.stack([torch.isinf(g).sum() for g in grads]),
+            torch.stack(n), torch.stack([torch.nansum(m) for m in masked]),
+            torch.stack([torch.nansum(m.abs(), dtype=torch.float64) for m in masked]),
+            torch.stack([torch.where(torch.isnan(m), math.inf, m).amin() for m in masked]),
+            torch.stack([torch.where(torch.isnan(m), -math.inf, m).amax() for m in masked]),
+            torch.stack([torch.nansum((m.double() - mu) ** 2) / (c - 1).clamp(min=1)
+                         for m, mu, c in zip(masked, means, n)])]
+
+
+def _set(cols: dict[str, np.ndarray], rows: Any, mean: np.ndarray, var: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+         mean_abs: np.ndarray, n: np.ndarray) -> None:
+    """mean/std/min/max/mean |g| over the finite elements; NaN where there are none."""
     some = n > 0
     for key, values in (("mean", mean), ("std", np.sqrt(var)), ("min", lo), ("max", hi),
-                        ("max_abs", np.maximum(-lo, hi)), ("mean_abs", l1 / np.maximum(n, 1))):
+                        ("max_abs", np.maximum(-lo, hi)), ("mean_abs", mean_abs)):
         cols[key][rows] = np.where(some, values, np.nan)
 
 
-def _exact_hists(grads: list[torch.Tensor], lo: np.ndarray, hi: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    counts = np.zeros((len(grads), bins))
-    rng = np.full((len(grads), 2), np.nan)
-    for i, g in enumerate(grads):
-        if np.isnan(lo[i]):
-            continue
-        a, b = _widen(float(lo[i]), float(hi[i]))
-        rng[i] = (a, b)
-        # histc skips NaN and values outside [a, b] (the infinities), and puts b in the last bin.
-        counts[i] = torch.histc(g.detach().float().reshape(-1), bins, a, b).double().cpu().numpy()
-    return counts, rng
+def _histograms(grads: list[torch.Tensor], candidates: Any, lo: np.ndarray, hi: np.ndarray, bins: int,
+                rng: np.ndarray) -> tuple[list[int], list[torch.Tensor]]:
+    """The rows among ``candidates`` with a finite element, and their histograms over [lo, hi] (set in
+    ``rng``) as one device tensor in a list (empty when there is no such row)."""
+    rows = [int(i) for i in candidates if not np.isnan(lo[i])]
+    for i in rows:
+        rng[i] = _widen(float(lo[i]), float(hi[i]))
+    # histc skips NaN and values outside [a, b] (the infinities), and puts b in the last bin.
+    return rows, [torch.stack([torch.histc(grads[i].float().reshape(-1), bins, *rng[i]) for i in rows])] if rows else []
 
 
 def _widen(lo: float, hi: float) -> tuple[float, float]:
@@ -129,101 +187,6 @@ def _widen(lo: float, hi: float) -> tuple[float, float]:
         return lo, hi
     d = max(abs(lo) * 1e-3, 1e-12)
     return lo - d, hi + d
-
-
-def _stack(values: list[torch.Tensor]) -> np.ndarray:
-    if not values:
-        return np.zeros(0)
-    return torch.stack([v.detach().to(torch.float64).reshape(()) for v in values]).cpu().numpy()
-
-
-class Sampler:
-    """Fixed random element indices per parameter, drawn once from a private generator.
-
-    The user's RNG state is never touched; parameters with at most ``k`` elements are taken whole.
-    """
-
-    def __init__(self, params: list[nn.Parameter], k: int) -> None:
-        gen = torch.Generator().manual_seed(0x5EED)
-        self.index: list[torch.Tensor] = []
-        self.count = np.zeros(len(params))
-        for i, p in enumerate(params):
-            n = p.numel()
-            idx = torch.arange(n) if n <= k else torch.randint(0, n, (k,), generator=gen).sort().values
-            self.index.append(idx.to(p.device))
-            self.count[i] = idx.numel()
-        self.numel = np.array([p.numel() for p in params], dtype=np.float64)
-        self.exact = self.count >= self.numel
-        self._consts: dict[tuple[tuple[int, ...], str], dict[str, torch.Tensor]] = {}
-
-    def consts(self, present: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
-        """Device constants for this set of parameters with a gradient, built once.
-
-        ``seg``: which parameter (position in ``present``) each gathered element belongs to;
-        ``index``: ``present`` itself; ``k``/``numel``: sample and tensor sizes.
-        """
-        key = (present, str(device))
-        if key not in self._consts:
-            rows = list(present)
-            lengths = torch.tensor([int(self.count[i]) for i in rows])
-            self._consts[key] = {
-                "seg": torch.repeat_interleave(torch.arange(len(rows)), lengths).to(device),
-                "index": torch.tensor(rows).to(device),
-                "k": torch.from_numpy(self.count[rows]).float().to(device),
-                "numel": torch.tensor([float(self.numel[i]) for i in rows]).to(device),
-            }
-        return self._consts[key]
-
-    def seg(self, present: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return self.consts(present, device)["seg"]
-
-    def gather(self, tensors: list[torch.Tensor], present: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).index_select(0, self.index[i]).to(device, torch.float32)
-                          for t, i in zip(tensors, present)])
-
-
-def sampled_rows(params: list[nn.Parameter], present: tuple[int, ...], sampler: "Sampler", bins: Optional[int],
-                 before: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-    """Device tensors for one step, no host synchronisation: raw [len(present), len(RAW)] etc."""
-    grads = [params[i].grad for i in present]
-    dev = grads[0].device
-    consts = sampler.consts(present, dev)
-    seg, k = consts["seg"], consts["k"]
-    n = len(present)
-    x = sampler.gather(grads, present, dev)
-    finite = torch.isfinite(x)
-    xf = torch.where(finite, x, 0)
-    per = lambda v: torch.zeros(n, device=dev).index_add_(0, seg, v.float())  # noqa: E731 - segment sum
-    n_finite = per(finite)
-    minmax = [torch.aminmax(g.detach()) for g in grads]
-    raw = [
-        torch.stack(float_norms([g.detach() for g in grads])).to(dev),
-        torch.stack([g.detach().sum(dtype=torch.float32) for g in grads]).to(dev),
-        torch.stack([m.min.float() for m in minmax]).to(dev), torch.stack([m.max.float() for m in minmax]).to(dev),
-        per(xf.abs()) / n_finite.clamp(min=1), per(x == 0) / k, per(torch.isnan(x)) / k, per(torch.isinf(x)) / k,
-        torch.stack(float_norms([params[i].detach() for i in present])).to(dev),
-        torch.full((n,), math.nan, device=dev),
-    ]
-    out = {"raw": torch.stack(raw, 1)}
-    if bins:
-        counts, out["range"] = _sample_hist(x, finite, seg, n, bins)
-        out["hist"] = counts * (consts["numel"] / k)[:, None]  # estimates of whole-tensor counts
-    return out
-
-
-def _sample_hist(x: torch.Tensor, finite: torch.Tensor, seg: torch.Tensor, n: int, bins: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One histogram per parameter over its sample's own finite range, all in one ``index_add_``."""
-    dev = x.device
-    lo = torch.full((n,), math.inf, device=dev).scatter_reduce(0, seg, torch.where(finite, x, math.inf), "amin")
-    hi = torch.full((n,), -math.inf, device=dev).scatter_reduce(0, seg, torch.where(finite, x, -math.inf), "amax")
-    valid = hi >= lo
-    pad = torch.where(hi > lo, 0.0, torch.clamp(lo.abs() * 1e-3, min=1e-12))
-    lo, hi = torch.where(valid, lo - pad, math.nan), torch.where(valid, hi + pad, math.nan)
-    pos = (x - lo[seg]) / (hi - lo)[seg] * bins
-    b = torch.where(finite, pos, 0).nan_to_num(0).floor().clamp(0, bins - 1).long()
-    counts = torch.zeros(n * bins, device=dev).index_add_(0, seg * bins + b, finite.float())
-    return counts.view(n, bins), torch.stack([lo, hi], 1)
 
 
 def raw_to_stats(raw: np.ndarray, infos: tuple[ParamInfo, ...], present: list[int], n_params: int) -> np.ndarray:

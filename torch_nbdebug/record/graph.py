@@ -16,6 +16,7 @@ import torch
 
 from torch_nbdebug.data.graph import GradInfo, GraphData, GraphEdge, GraphNode, ModuleInfo, SavedInfo
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.modules import user_named_parameters
 
 # AccumulateGrad and other nodes made outside a forward have no sequence number: UINT64_MAX.
 NO_SEQUENCE = compat.NO_SEQUENCE
@@ -110,16 +111,18 @@ def tensor_names(namespace: Optional[Mapping[str, Any]]) -> dict[int, str]:
 def build_graph(outputs: Sequence[tuple[str, torch.Tensor]], *, param_names: Mapping[int, str],
                 input_names: Mapping[int, str], modules: Optional[Mapping[int, tuple[str, str]]] = None,
                 module_types: Optional[Mapping[str, str]] = None, saved: bool = False,
-                max_nodes: int = DEFAULT_MAX_NODES, title: str = "graph", source: str = "autograd") -> GraphData:
+                max_nodes: int = DEFAULT_MAX_NODES, title: str = "graph", source: str = "autograd",
+                param_aliases: Optional[Mapping[int, tuple[str, ...]]] = None) -> GraphData:
     """The graph behind ``outputs`` (``(label, tensor)`` pairs whose ``grad_fn`` is set).
 
     ``modules`` maps a node's sequence number to ``(module path, node name)`` as recorded during
     the forward; a node whose name differs (the sequence number was reused) is left unassigned.
+    ``param_aliases`` gives every name of a tied parameter (see :func:`parameter_aliases`).
     """
     roots = [t.grad_fn for _, t in outputs if t.grad_fn is not None]
     order, kids, truncated = walk(roots, max_nodes)
     ids = {id(node): f"n{i}" for i, node in enumerate(order)}
-    nodes = [_node(node, ids[id(node)], i, param_names, input_names, modules or {}, saved)
+    nodes = [_node(node, ids[id(node)], i, param_names, input_names, modules or {}, saved, param_aliases or {})
              for i, node in enumerate(order)]
     edges = [GraphEdge(ids[id(child)], ids[id(node)]) for node in order for child in kids[id(node)]
              if id(child) in ids]
@@ -146,7 +149,7 @@ def build_graph(outputs: Sequence[tuple[str, torch.Tensor]], *, param_names: Map
 
 
 def _node(node: Any, node_id: str, topo: int, param_names: Mapping[int, str], input_names: Mapping[int, str],
-          modules: Mapping[int, tuple[str, str]], saved: bool) -> GraphNode:
+          modules: Mapping[int, tuple[str, str]], saved: bool, aliases: Mapping[int, tuple[str, ...]]) -> GraphNode:
     name = node_name(node)
     outs = _outputs(node)
     shape, dtype = outs[0] if outs else (None, None)
@@ -163,7 +166,8 @@ def _node(node: Any, node_id: str, topo: int, param_names: Mapping[int, str], in
         shape, dtype = tuple(variable.shape), _dtype(variable.dtype)
         return GraphNode(id=node_id, kind=kind, label=label or f"leaf {list(shape)}", op=name, shape=shape,
                          dtype=dtype, module=_owner(label) if kind == "param" else None, seq=None,
-                         outputs=((shape, dtype),), grad=grad_info(variable.grad), topo=topo)
+                         outputs=((shape, dtype),), grad=grad_info(variable.grad), topo=topo,
+                         aliases=aliases.get(id(variable), ()) if kind == "param" else ())
     return GraphNode(id=node_id, kind="op", label=op_label(node), op=name, shape=shape, dtype=dtype,
                      module=module, seq=seq_value, outputs=tuple(outs),
                      saved=saved_info(node) if saved else (), topo=topo)
@@ -248,6 +252,22 @@ def grad_info(grad: Optional[torch.Tensor]) -> Optional[GradInfo]:
         lo, hi = torch.aminmax(vals)
         return GradInfo(norm=float(vals.norm()), min=float(lo), max=float(hi), mean=float(vals.mean()),
                         nonfinite=nonfinite)
+
+
+def parameter_aliases(roots: Iterable[tuple[str, torch.nn.Module]]) -> dict[int, tuple[str, ...]]:
+    """``id(parameter) -> ("model.wte.weight", "model.lm_head.weight")`` for tied parameters only: every
+    name the parameter has under the root that names it first (as ``parameter_names`` does)."""
+    names: dict[int, list[str]] = {}
+    owner: dict[int, str] = {}
+    for root_name, root in roots:
+        try:
+            found = list(user_named_parameters(root))
+        except Exception:  # noqa: BLE001 - a broken user module must not break the graph
+            continue
+        for name, param in found:
+            if owner.setdefault(id(param), root_name) == root_name:
+                names.setdefault(id(param), []).append(f"{root_name}.{name}")
+    return {key: tuple(dict.fromkeys(v)) for key, v in names.items() if len(set(v)) > 1}
 
 
 def module_types(roots: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, str]:

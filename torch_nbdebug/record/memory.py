@@ -390,3 +390,16 @@ class MemoryRecorder:
                           holder=holders.names.get(r.key) if alive else None,
                           has_graph=bool(holders.graphs.get(r.key, False)) if alive else False,
                           address=r.address)
+
+    # -- live progress (read-only) -----------------------------------------------------------
+    def progress(self) -> tuple[float, tuple[int, ...]]:
+        """For a live view while recording: seconds since the start and the bytes alive now by
+        category (``CATEGORIES`` order). Host bookkeeping only: no device access, no sync. Forward
+        allocations of the graph still alive count as activations (what they become at backward)."""
+        totals = [0] * len(CATEGORIES)
+        records = self._records
+        for alloc_id in list(self._live.values()):
+            r = records[alloc_id]
+            category = ACT if r.in_graph and r.category == TEMP else r.category
+            totals[category] += r.nbytes
+        return (time.perf_counter_ns() - self._t0) / 1e9, tuple(totals)

@@ -2,16 +2,17 @@
 
 A birth is an op whose output is non-finite while all its floating inputs are finite (the rules are
 in :mod:`nanwatch_births`, one pure function for every path). Checks are a NaN/Inf-propagating sum
-of each output: read at once on the immediate path (CPU), queued on the device and read at module
-boundaries on the deferred one (CUDA). The recorder wires small components together; each gets a
-:class:`WatchContext` (options, the event log, the clock, a few services), not the recorder itself.
+of each output: read at once on the immediate path (CPU), queued on the device and read once per
+training step (when the backward starts) and at the end of the watch on the deferred one (CUDA).
+The recorder wires small components together; each gets a :class:`WatchContext` (options, the event
+log, the clock, a few services), not the recorder itself.
 Everything installed here is removed in :meth:`NanRecorder.stop`, whatever happened.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook
@@ -103,7 +104,7 @@ class NanRecorder:
         self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter)
         self._tracker.__enter__()
         if self.options.optimizer:
-            self.optim = OptimizerWatch(self, self.lr, self.suspend, self.resume)
+            self.optim = OptimizerWatch(self, self.lr, self.suspend, self.resume, self.deferred)
             self._handles += [register_optimizer_step_pre_hook(self.optim.pre),
                               register_optimizer_step_post_hook(self.optim.post)]
         if self.options.mode == "op":
@@ -195,13 +196,21 @@ class NanRecorder:
         if len(self._grad_handles) > _HANDLE_CAP:  # long loops: forget hooks whose tensor or node is gone
             self._grad_handles = [h for h in self._grad_handles if h.hooks_dict_ref() is not None]
 
-    def flush(self) -> None:
-        """Read the device-side flags queued since the last boundary (see nanwatch_deferred)."""
+    def flush(self, extra: Sequence[torch.Tensor] = ()) -> list[list[float]]:
+        """Read what waits on the device — module statistics, deferred checks (see nanwatch_deferred)
+        and ``extra`` — in one transfer per device (one host synchronisation on CUDA); replay the
+        checks in order; return ``extra``'s values."""
         self._quiet += 1
         try:
-            self.layers.flush()
+            stats = self.layers.take_pending()
+            pending, flags = self.deferred.take() if self.deferred is not None else ([], [])
+            if not stats and not pending and not extra:
+                return []
+            values = ops.read_together([t for _, t in stats] + flags + list(extra))
+            self.layers.apply(stats, values[:len(stats)])
             if self.deferred is not None:
-                self.deferred.flush()
+                self.deferred.replay(pending, values[len(stats):len(stats) + len(flags)])
+            return values[len(stats) + len(flags):]
         finally:
             self._quiet -= 1
 
@@ -239,6 +248,8 @@ class NanRecorder:
         else:
             if not self.options.backward:
                 return
+            if not self.clock.saw_backward:
+                self.modules.backward_started()  # the deferred path reads the forward's checks now
             self.clock.saw_backward = True
             phase = "backward"
         if cat == ops.VIEW:

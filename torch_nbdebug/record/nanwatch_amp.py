@@ -25,8 +25,8 @@ class AmpChecks:
         found = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if found is None:
             return
-        self.ctx.flush()
-        skipped = bool(float(found.sum().item()))
+        # The gradients' queued checks are replayed first (read with the flag, in one transfer).
+        skipped = bool(self.ctx.flush([found.sum()])[0][0])
         # The ops just before (the scaler's own) already counted as the next iteration: the
         # gradients belong to the last backward's iteration.
         self.ctx.log.scaler_skipped(max(1, self.ctx.clock.iteration - 1) if skipped else None)

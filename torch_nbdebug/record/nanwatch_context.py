@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol
+from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol, Sequence
 
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.errors import NanBirthError
@@ -71,7 +71,8 @@ class WatchContext(Protocol):
 
     def internal_error(self, where: str, exc: Exception) -> None: ...
 
-    def flush(self) -> None: ...
+    def flush(self, extra: Sequence[Any] = ()) -> list[list[float]]:
+        """Read everything waiting on the device and ``extra`` (tensors) at once; ``extra``'s values."""
 
     def keep_handle(self, handle: Any) -> None:
         """A hook on a tensor or an autograd node: removed when the watch stops."""

@@ -2,18 +2,22 @@
 
 Each checked op queues one small device tensor of flags (its outputs', then its inputs' sums) with
 what is known without reading it: the :class:`Site`, storage keys, which inputs came from outside.
-:meth:`DeferredChecks.flush` reads the whole queue in one transfer per device and replays it in
-order through the same rules as the immediate path (:func:`judge`, the event log's where-trap and
-held-backward bookkeeping), so both paths report the same births. ``where``/``masked_fill`` ops and
-each backward node's finished gradients are queued too, as the rules need them. With
-``raise_on_birth`` every check is read at once: raising at the birth line needs that.
+The recorder's flush reads the whole queue (with the layer statistics) in one transfer per device once
+per forward: when the backward starts (the model and its loss done), or at the end of the model's
+forward when no backward follows — while the activations the checks name are alive, for their exact
+statistics. :meth:`DeferredChecks.replay` replays it in order through the same rules as the immediate
+path (:func:`judge`, the event log's where-trap and held-backward bookkeeping), so both paths report
+the same births. ``where``/``masked_fill`` ops, each backward node's finished gradients and the
+optimizer step's parameter norms are queued too and read with the next forward's checks: one host
+synchronisation per training step. With ``raise_on_birth`` every check is read at once: raising at the
+birth line needs that.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import sys
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, Callable, Literal, NamedTuple, Optional
 
 import torch
 
@@ -25,8 +29,8 @@ from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_
 from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
 from torch_nbdebug.record.tensors import storage_key
 
-_MAX_QUEUE = 4096  # read earlier than the next boundary when this many checks wait
-Entry = Literal["op", "absorb", "node", "module", "grad"]
+_MAX_QUEUE = 4096  # read earlier when this many checks wait
+Entry = Literal["op", "absorb", "node", "module", "grad", "optim"]
 
 
 class Pending(NamedTuple):
@@ -41,7 +45,8 @@ class Pending(NamedTuple):
     external: tuple[bool, ...]
     site: Optional[Site]
     iteration: int
-    extra: Any = None  # ops: (node key, producer of input 0, in place); module: the module; absorb: written
+    extra: Any = None  # ops: (node key, producer of input 0, in place); module: the module; absorb: written;
+    # optim: the function that judges the step's norms
 
 
 class DeferredChecks:
@@ -100,6 +105,10 @@ class DeferredChecks:
         site = Site("backward", f"gradient into {path}", Place(None, path, None, None, "<module>"))
         self._push(Pending("grad", _flags([grad]), 1, _shapes([grad]), (), (), (), site, self.ctx.clock.iteration))
 
+    def queue_step(self, norms: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
+        """An optimizer step's parameter (and gradient) norms: ``judge`` gets their values, in order."""
+        self._push(Pending("optim", norms, 0, (), (), (), (), None, 0, judge))
+
     def _watch_node(self, node: Any) -> None:
         """Give each backward node with a checked op a post hook that queues its gradients' flags."""
         key = id(node)
@@ -120,16 +129,23 @@ class DeferredChecks:
     def _push(self, p: Pending) -> None:
         self.pending.append(p)
         if len(self.pending) > _MAX_QUEUE or self.ctx.options.raise_on_birth:
-            self.flush()
+            self.ctx.flush()
 
     # -- reading and replaying ---------------------------------------------------------------------
-    def flush(self) -> None:
-        """Read every queued flag (one transfer per device) and replay the entries in order."""
+    def take(self) -> tuple[list[Pending], list[torch.Tensor]]:
+        """Hand over the queue and the device tensors to read for it (the recorder reads them all at once)."""
         pending, self.pending = self.pending, []
-        if not pending:
-            return
-        for p, flags in zip(pending, read_all(pending)):
-            bad, nan, neg = flags
+        return pending, [p.flags for p in pending if p.flags is not None]
+
+    def replay(self, pending: list[Pending], readings: list[list[float]]) -> None:
+        """Replay the entries :meth:`take` handed over, in order, with the values read for them."""
+        values = iter(readings)
+        for p in pending:
+            sums = next(values) if p.flags is not None else []
+            if p.entry == "optim":
+                p.extra(sums)
+                continue
+            bad, nan, neg = [not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums]
             if p.entry == "node":
                 # A gradient no replayed entry wrote (another node's storage) counts as non-finite: keep.
                 self.ctx.log.node_done(p.extra, bad + [self._bad_keys.get(k, True) for k in p.keys])
@@ -224,21 +240,3 @@ def _flags(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1:
         return tensors[0].sum(dtype=torch.float64).reshape(1)
     return torch.stack([t.sum(dtype=torch.float64) for t in tensors])
-
-
-def read_all(pending: list[Pending]) -> list[tuple[list[bool], list[bool], list[bool]]]:
-    """Read every queued sum with one transfer per device; (bad, nan, negative) per tensor."""
-    by_device: dict[torch.device, list[int]] = {}
-    result: list[Any] = [([], [], [])] * len(pending)
-    for i, p in enumerate(pending):
-        if p.flags is not None:
-            by_device.setdefault(p.flags.device, []).append(i)
-    for indices in by_device.values():
-        flat = torch.cat([pending[i].flags for i in indices]).cpu().tolist()  # type: ignore[misc]
-        pos = 0
-        for i in indices:
-            sums = flat[pos:pos + pending[i].flags.shape[0]]  # type: ignore[union-attr]
-            pos += len(sums)
-            result[i] = ([not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums])
-    return result
-

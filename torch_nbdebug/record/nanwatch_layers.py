@@ -2,7 +2,8 @@
 
 At each module exit: one ``aminmax`` and one sum of the output (NaN propagates through both),
 kept as a 3-element tensor. On CPU it is read at once (no device sync exists there); on CUDA the
-small tensors wait in a list and are read together at the next flush, so the stream never stalls.
+small tensors wait in a list and are read at the recorder's next flush, together with everything
+else waiting on the device (one transfer), so the stream never stalls.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import LayerStats
-from torch_nbdebug.record.nanwatch_ops import HALF, checkable
+from torch_nbdebug.record.nanwatch_ops import HALF, checkable, read_together
+
+Reading = tuple["_Side", torch.Tensor]  # a deferred reading and the row side it belongs to
 
 
 def first_float_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -75,6 +78,7 @@ class LayerRecorder:
     def __init__(self, deferred: bool = False) -> None:
         self.deferred = deferred
         self._rows: dict[str, _Row] = {}
+        self.backlog = 0  # deferred readings waiting on the device
 
     def seen(self) -> bool:
         """Whether any module ran."""
@@ -109,20 +113,33 @@ class LayerRecorder:
     def _record(self, side: _Side, t: torch.Tensor) -> Optional[list[float]]:
         if self.deferred:
             side.pending.append(stat_vector(t))
+            self.backlog += 1
             return None
         values = stat_values(t)
         side.take(values)
         return values
 
-    def flush(self) -> None:
-        """Read every pending reading at once (one transfer per row side)."""
-        for row in self._rows.values():
-            for side in (row.fwd, row.grad):
-                if side.pending:
-                    readings = torch.stack(side.pending).cpu().tolist()
+    def take_pending(self) -> list[Reading]:
+        """Hand over the deferred readings in the order they were made (the caller reads them)."""
+        taken: list[Reading] = []
+        if self.backlog:
+            for row in self._rows.values():
+                for side in (row.fwd, row.grad):
+                    taken += [(side, t) for t in side.pending]
                     side.pending.clear()
-                    for values in readings:
-                        side.take(values)
+            self.backlog = 0
+        return taken
+
+    def apply(self, taken: list[Reading], values: list[list[float]]) -> None:
+        """Store the values read for :meth:`take_pending`'s readings."""
+        for (side, _), reading in zip(taken, values):
+            side.take(reading)
+
+    def flush(self) -> None:
+        """Read every pending reading at once (one transfer per device)."""
+        taken = self.take_pending()
+        if taken:
+            self.apply(taken, read_together([t for _, t in taken]))
 
     def rows(self, birth_modules: set[str]) -> tuple[LayerStats, ...]:
         self.flush()

@@ -25,6 +25,8 @@ from torch_nbdebug.record.tensors import storage_key
 if TYPE_CHECKING:  # pragma: no cover
     from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
 
+_MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
+
 
 def bad_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     """Weights an earlier step (or the code before the watch) made non-finite: inputs too."""
@@ -55,6 +57,7 @@ class ModuleChecks:
         self.thread_id = threading.get_ident()
         self.other_thread = False
         self._last_exit: Optional[tuple[Any, Optional[list[float]], Any]] = None  # (weakref, values, hook)
+        self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
 
     def mine(self) -> bool:
         """Module hooks are global: another thread's modules (its own watch, a worker) are not ours."""
@@ -73,13 +76,37 @@ class ModuleChecks:
             return
         try:
             self._check_exit(module, args, output)
+            if self.deferred is not None and self._depth() == 1 and not self._busy():
+                self._model_done(module, output)
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - see OpWatchMode
             self.ctx.internal_error(f"the output of {type(module).__name__}", exc)
 
+    def _model_done(self, module: torch.nn.Module, output: Any) -> None:
+        """A top-level module finished (deferred path): read what waits on the device while the
+        activations it names are alive (exact statistics). When a backward will follow, wait for it
+        to start instead: the loss computed after the model is read too, in the same single read."""
+        t = first_float_tensor(output)
+        backward = self.ctx.options.backward and t is not None and t.requires_grad and torch.is_grad_enabled()
+        if backward and self._awaiting != id(module):  # the same model again without a backward: read now
+            if self._awaiting is None:
+                self._awaiting = id(module)
+            return
+        self._awaiting = None
+        with self.ctx.quiet():
+            self.ctx.flush()
+
+    def backward_started(self) -> None:
+        """The first backward op or gradient after a forward: read the forward's checks (see ``_model_done``)."""
+        if self._awaiting is not None:
+            self._awaiting = None
+            with self.ctx.quiet():
+                self.ctx.flush()
+
     def forget(self) -> None:
         self._last_exit = None
+        self._awaiting = None
 
     def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.ctx.module_path()
@@ -108,8 +135,13 @@ class ModuleChecks:
                 hook = _GradHook(self, path)
                 ctx.keep_handle(t.register_hook(hook))
             self._last_exit = (weakref.ref(t), values, hook)
-            if self._depth() == 1 and self.deferred is not None:
-                ctx.flush()
+            self._bound_backlog()
+
+    def _bound_backlog(self) -> None:
+        """Deferred statistics are read once per forward (see ``_model_done``); code without modules
+        reads them every few thousand instead of keeping them all until the end of the watch."""
+        if self.layers.backlog > _MAX_BACKLOG:
+            self.ctx.flush()
 
     def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
         log = self.ctx.log
@@ -131,6 +163,8 @@ class ModuleChecks:
     def on_grad(self, paths: list[str], grad: torch.Tensor) -> None:
         """A gradient reached a module's output (tensor hook): table stats, and module-mode check."""
         ctx = self.ctx
+        if not ctx.clock.saw_backward:
+            self.backward_started()
         ctx.clock.saw_backward = True
         if grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return
@@ -140,6 +174,7 @@ class ModuleChecks:
             for other in paths[1:]:
                 if values is not None:
                     self.layers.take_gradient(other, values)
+            self._bound_backlog()
             if ctx.options.mode != "module":
                 return
             if self.deferred is not None:

@@ -7,7 +7,7 @@ non-finite outputs can only be carried in from an input, and the next checked op
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -169,6 +169,23 @@ def propagating_sum(t: torch.Tensor) -> torch.Tensor:
 def sum_value(t: torch.Tensor) -> float:
     """The propagating sum read back as a Python float (CPU: no device synchronisation)."""
     return propagating_sum(t).item()
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Every tensor's values as floats, read with one transfer per device (on CUDA: one host
+    synchronisation, however many tensors). ``torch.cat`` promotes the dtypes (float16 norms, float32
+    statistics, float64 sums) without changing a NaN/Inf; one ``tolist`` copies the result."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    result: list[list[float]] = [[] for _ in tensors]
+    for indices in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices]).tolist()
+        pos = 0
+        for i in indices:
+            n = tensors[i].numel()
+            result[i], pos = flat[pos:pos + n], pos + n
+    return result
 
 
 def is_bad_value(value: float) -> bool:

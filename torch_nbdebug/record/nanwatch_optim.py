@@ -1,14 +1,18 @@
 """Optimizer births: a parameter that ``optimizer.step()`` turned non-finite, with its name and step.
 
-Global optimizer step hooks (handle-based) bracket every step. After the step one max-abs norm
-per parameter (``_foreach_norm``, NaN/Inf propagate through it) is read in one transfer; only
-a flagged parameter is then looked at precisely.
+Global optimizer step hooks (handle-based) bracket every step. After the step one L2 norm per
+parameter (``_foreach_norm``, NaN/Inf propagate through it) is taken; only a flagged parameter is then
+looked at precisely. The immediate path reads the norms at once; the deferred one queues them, with
+what the step was (a :class:`StepRecord`), and judges them when the next forward's checks are read:
+one host synchronisation per training step, and the step's line, settings and gradients as they were.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from typing import Any, Callable, Optional
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -16,10 +20,16 @@ from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import module_roots, parameter_names
 from torch_nbdebug.record.nanwatch_context import WatchContext
-from torch_nbdebug.record.nanwatch_ops import checkable
-from torch_nbdebug.record.nanwatch_events import here, make_event
+from torch_nbdebug.record.nanwatch_ops import any_nonfinite, checkable
+from torch_nbdebug.record.nanwatch_events import Place, Shape, here, make_event
+from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.stats import summarize
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
+
+GRAD_GONE = ("the gradient was freed (zero_grad) before the deferred check was read: only whether it was "
+             "finite is known")
 LR_GROWTH = 100.0  # a learning rate this many times its first value in the watch "grew" (not a warmup step)
 
 
@@ -28,23 +38,44 @@ def _params(opt: torch.optim.Optimizer) -> list[tuple[int, int, torch.Tensor]]:
             if isinstance(p, torch.Tensor) and checkable(p) and p.numel() > 0]
 
 
-def bad_params(params: list[torch.Tensor]) -> list[bool]:
-    """Which parameters hold a NaN/Inf: one foreach L2 norm per (device, dtype) group, one read each.
+def norm_groups(params: list[torch.Tensor]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """One foreach L2 norm per (device, dtype) group, left on the device: (indices, norms) per group.
 
     The L2 norm propagates NaN/Inf and is ~20x faster on CPU than the max-abs norm; a norm that
-    overflowed on huge finite values is caught by the precise confirmation.
+    overflowed on huge finite values is caught by the precise confirmation in :func:`flagged`.
     """
     groups: dict[tuple[Any, Any], list[int]] = {}
     for k, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(k)
-    flags = [False] * len(params)
-    for indices in groups.values():
-        with torch.no_grad():
-            norms = compat.foreach_norm([params[k].detach() for k in indices], 2)
-            values = torch.stack([n.float() for n in norms]).cpu().tolist()
-            for k, v in zip(indices, values):
-                flags[k] = not math.isfinite(v) and not bool(torch.isfinite(params[k]).all())
-    return flags
+    with torch.no_grad():
+        norms = [torch.stack(compat.foreach_norm([params[k].detach() for k in indices], 2))
+                 for indices in groups.values()]
+    return list(groups.values()), norms
+
+
+def by_tensor(groups: list[list[int]], values: list[float]) -> list[float]:
+    """The norms read for :func:`norm_groups` (concatenated in group order), back in tensor order."""
+    found = [0.0] * sum(len(indices) for indices in groups)
+    flat = iter(values)
+    for indices in groups:
+        for k in indices:
+            found[k] = next(flat)
+    return found
+
+
+class StepRecord(NamedTuple):
+    """One optimizer step as its post hook saw it, judged when its norms are read (maybe later):
+    the parameters, their gradients (weakly, with versions: exact statistics if still unchanged),
+    each group's ``(lr, eps)`` and the user's line."""
+
+    optimizer: str
+    key: int
+    step: int
+    entries: list[tuple[int, int, torch.Tensor]]
+    # (weak reference, version, has a norm) per entry, None where there is no gradient; None when judged at once
+    grads: Optional[list[Optional[tuple[Any, int, bool]]]]
+    settings: list[tuple[Any, Any]]
+    place: Place
 
 
 class LearningRates:
@@ -54,12 +85,12 @@ class LearningRates:
         self._first: dict[tuple[int, int], float] = {}
         self._grown: Optional[tuple[float, int]] = None
 
-    def stepped(self, opt: torch.optim.Optimizer, step: int) -> None:
-        for g, group in enumerate(opt.param_groups):
-            lr = group.get("lr")
+    def stepped(self, key: int, lrs: list[Any], step: int) -> None:
+        """Optimizer ``key`` made its step number ``step`` with each group's learning rate ``lrs``."""
+        for g, lr in enumerate(lrs):
             if not isinstance(lr, (int, float)) or lr <= 0:
                 continue
-            first = self._first.setdefault((id(opt), g), float(lr))
+            first = self._first.setdefault((key, g), float(lr))
             if lr >= LR_GROWTH * first:
                 self._grown = (float(lr), step)
 
@@ -74,8 +105,8 @@ class OptimizerWatch:
     ``suspend``/``resume`` take the recorder's dispatch mode off the stack around the step."""
 
     def __init__(self, ctx: WatchContext, lrs: LearningRates, suspend: Callable[[], None],
-                 resume: Callable[[], None]) -> None:
-        self.ctx, self.lrs = ctx, lrs
+                 resume: Callable[[], None], deferred: Optional["DeferredChecks"] = None) -> None:
+        self.ctx, self.lrs, self.deferred = ctx, lrs, deferred
         self._suspend, self._resume = suspend, resume
         self.active = 0
         self.steps: dict[int, int] = {}
@@ -89,7 +120,6 @@ class OptimizerWatch:
         if threading.get_ident() != self._thread:
             return  # the hooks are global: another thread's optimizer (its own watch) is not ours
         self.active += 1
-        self.ctx.flush()
         self._suspend()
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -97,13 +127,19 @@ class OptimizerWatch:
             return
         try:
             self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
-            self.lrs.stepped(opt, self.steps[id(opt)])
-            entries = _params(opt)
-            flags = bad_params([p for _, _, p in entries])
-            for (g, i, p), bad in zip(entries, flags):
-                if bad and id(p) not in self._known_bad:
-                    self._known_bad.add(id(p))
-                    self._birth(opt, g, i, p)
+            record = self._record(opt, deferred=self.deferred is not None)
+            params = [p for _, _, p in record.entries]
+            if record.grads is None:
+                groups, norms = norm_groups(params)
+                self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
+                return
+            # The gradients' norms too: they may be gone (zero_grad) when the norms are read.
+            grads = [g[0]() for g in record.grads if g is not None and g[2]]
+            groups, norms = norm_groups(params + grads)  # type: ignore[operator]
+            if len({n.device for n in norms}) == 1:
+                self.deferred.queue_step(torch.cat(norms), functools.partial(self._judge, record, groups))
+            else:  # parameters on several devices: read now (one transfer per device)
+                self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not break the user's step
@@ -112,37 +148,80 @@ class OptimizerWatch:
             self.active -= 1
             self._resume()
 
-    def _birth(self, opt: torch.optim.Optimizer, g: int, i: int, p: torch.Tensor) -> None:
+    def _record(self, opt: torch.optim.Optimizer, deferred: bool) -> StepRecord:
+        entries = _params(opt)
+        grads: Optional[list[Optional[tuple[Any, int, bool]]]] = None
+        if deferred:
+            grads = [_live(p.grad) for _, _, p in entries]
+        settings = [(group.get("lr"), group.get("eps")) for group in opt.param_groups]
+        return StepRecord(type(opt).__name__, id(opt), self.steps[id(opt)], entries, grads, settings,
+                          here(None, None))
+
+    def _judge(self, record: StepRecord, groups: list[list[int]], values: list[float]) -> None:
+        """The step's norms are read: learning rates first (the order of events), then each
+        non-finite parameter, confirmed, is a birth unless known already."""
+        self.lrs.stepped(record.key, [lr for lr, _ in record.settings], record.step)
+        norms = by_tensor(groups, values)
+        grad_norms = iter(norms[len(record.entries):])
+        for k, (g, i, p) in enumerate(record.entries):
+            grad, grad_norm = None, None
+            if record.grads is not None:  # each gradient's norm follows the parameters', in order
+                grad = record.grads[k]
+                grad_norm = next(grad_norms) if grad is not None and grad[2] else None
+            if math.isfinite(norms[k]) or id(p) in self._known_bad or not any_nonfinite(p):
+                continue
+            self._known_bad.add(id(p))
+            if record.grads is None:
+                grad = _live(p.grad)
+            if grad is not None:  # optimizers skip parameters without a gradient: it was non-finite before
+                self._birth(record, g, i, p, _grad_stats(p, grad, grad_norm))
+
+    def _birth(self, record: StepRecord, g: int, i: int, p: torch.Tensor, grad_stats: TensorStats) -> None:
         ctx = self.ctx
-        grad = p.grad
-        if grad is None:
-            return  # optimizers skip parameters without a gradient: it was non-finite before the step
-        grad_stats = summarize(grad) if isinstance(grad, torch.Tensor) else None
-        if grad_stats is not None and not grad_stats.finite and ctx.log.has_events():
+        if not grad_stats.finite and ctx.log.has_events():
             return  # the gradient was already non-finite: reported where it was born
-        name = self._name(p) or f"{type(opt).__name__}.param_groups[{g}]['params'][{i}]"
+        name = self._name(p) or f"{record.optimizer}.param_groups[{g}]['params'][{i}]"
         module = name.rsplit(".", 1)[0] if "." in name and self._name(p) else None
         out = summarize(p)
-        group = opt.param_groups[g]
-        lr, eps = _number(group.get("lr")), _number(group.get("eps"))
+        lr, eps = (_number(v) for v in record.settings[g])
         detail = f"lr={lr:.4g}" if lr is not None else ""
-        if grad_stats is not None:
-            detail += (", " if detail else "") + ("gradient finite" if grad_stats.finite else "gradient non-finite")
+        detail += (", " if detail else "") + ("gradient finite" if grad_stats.finite else "gradient non-finite")
         kind = "nan" if out.nan else "inf"
         if ctx.options.ignore_inf and kind == "inf":
             return
         grown = self.lrs.growth()
-        event = make_event("optimizer", f"{type(opt).__name__}.step", here(module, None),
-                           (grad_stats,) if grad_stats is not None else (), out, kind=kind,
-                           iteration=self.steps[id(opt)], param=name, param_kind="parameter", detail=detail, lr=lr,
-                           lr_step=grown[1] if grown is not None else None, eps=eps,
-                           grad_finite=grad_stats.finite if grad_stats is not None else None)
+        event = make_event("optimizer", f"{record.optimizer}.step", record.place._replace(module=module),
+                           (grad_stats,), out, kind=kind, iteration=record.step, param=name, param_kind="parameter",
+                           detail=detail, lr=lr, lr_step=grown[1] if grown is not None else None, eps=eps,
+                           grad_finite=grad_stats.finite)
         ctx.log.add(event)
 
     def _name(self, p: torch.Tensor) -> Optional[str]:
         if self._names is None or id(p) not in self._names:
             self._names = parameter_names(module_roots(self.ctx.namespace))
         return self._names.get(id(p))
+
+
+def _live(grad: Any) -> Optional[tuple[Any, int, bool]]:
+    """A gradient as a :class:`StepRecord` keeps it: weakly, with its version, and whether it gets a
+    norm (a sparse gradient does not: its statistics are exact or, once it is freed, unknown)."""
+    if not isinstance(grad, torch.Tensor):
+        return None
+    return weakref.ref(grad), grad._version, checkable(grad) and grad.numel() > 0
+
+
+def _grad_stats(p: torch.Tensor, grad: tuple[Any, int, bool], norm: Optional[float]) -> TensorStats:
+    """The gradient's exact statistics while it is alive and unchanged, else what its norm says (a
+    gradient has its parameter's shape): the deferred path reads a step's norms with the next forward's
+    checks, and ``zero_grad`` has freed the gradient by then."""
+    t = grad[0]()
+    if t is not None and (t._version == grad[1] or norm is None):
+        return summarize(t)
+    nan = norm is not None and norm != norm
+    inf = norm is not None and not nan and not math.isfinite(norm)
+    shape = Shape.of(p)
+    return TensorStats(shape=shape.shape, dtype=shape.dtype, device=shape.device, numel=shape.numel,
+                       nan=int(nan), inf=int(inf), note=GRAD_GONE)
 
 
 def _number(value: Any) -> Optional[float]:

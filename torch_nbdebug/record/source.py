@@ -1,5 +1,6 @@
 """The user's code and names: their own line (skipping torch, torch_nbdebug, IPython and the stdlib),
-and their namespace as every tool reads it (:func:`caller_namespace`).
+the notebook cell it is in (:func:`cell_number`, the 7 of ``In [7]``), and their namespace as every
+tool reads it (:func:`caller_namespace`).
 
 The walk is cached per file name, so repeated calls cost a dictionary lookup per frame rather than
 path string tests.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -73,9 +75,59 @@ def user_line(start: Optional[types.FrameType] = None) -> Optional[SourceLine]:
 
 
 def line_of(filename: str, lineno: int, function: str = "<module>") -> SourceLine:
-    """Build a :class:`SourceLine`, reading the text through linecache (IPython registers cells there)."""
+    """Build a :class:`SourceLine`, reading the text through linecache (IPython registers cells there)
+    and the cell's execution count through IPython's compiler."""
     text = linecache.getline(filename, lineno).strip()
-    return SourceLine(filename=filename, lineno=int(lineno), function=function, text=text)
+    return SourceLine(filename=filename, lineno=int(lineno), function=function, text=text,
+                      cell=cell_number(filename))
+
+
+_INPUT_NAME = re.compile(r"<ipython-input-(\d+)-")
+
+
+def cell_number(filename: str) -> Optional[int]:
+    """The execution count of the notebook cell compiled as ``filename`` (7 for ``In [7]``), or None.
+
+    IPython's caching compiler remembers it for its own tracebacks (``Cell In[7], line 14``), for
+    every cell and every body a magic compiles through it (``%%nanwatch`` does); ipykernel's cell
+    file names (a hash of the code) do not carry it. IPython is only looked up, never imported: the
+    record layer runs without it, and then there are no cells.
+
+    A number the shell has not reached yet is no cell's: IPython counts a cell before running it, so
+    code compiled *during* cell 7 with the shell's ``execution_count`` (8) gets None, never a wrong
+    ``In [8]`` (compile it with :func:`running_cell_number` instead).
+    """
+    shell = _shell()
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(numbers, dict):
+        number = numbers.get(filename)
+        reached = getattr(shell, "execution_count", None)
+        if isinstance(number, int) and 0 < number and (not isinstance(reached, int) or number < reached):
+            return number
+        return None
+    match = _INPUT_NAME.match(filename)  # IPython before 8 named cells <ipython-input-7-hash>
+    return int(match.group(1)) if match else None
+
+
+def running_cell_number(start: Optional[types.FrameType] = None) -> Optional[int]:
+    """The execution count of the innermost notebook cell running at or above ``start`` (default: the
+    caller), or None outside a cell: the number to give code a magic compiles for that cell."""
+    numbers = getattr(getattr(_shell(), "compile", None), "_filename_map", None)
+    if not isinstance(numbers, dict):
+        return None
+    frame = start if start is not None else sys._getframe(1)
+    while frame is not None:
+        number = numbers.get(frame.f_code.co_filename)
+        if isinstance(number, int) and number > 0:
+            return number
+        frame = frame.f_back
+    return None
+
+
+def _shell() -> Any:
+    """The running IPython shell, if IPython is loaded at all (never imported from here)."""
+    get_shell = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_shell() if callable(get_shell) else None
 
 
 def cell_source(filename: str) -> str:

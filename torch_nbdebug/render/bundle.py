@@ -3,15 +3,25 @@
 Notebook front ends pick the richest type they can show: a live kernel shows the widget; a terminal
 shows the text. nbconvert and GitHub also prefer the widget view and draw nothing when the notebook
 saved no widget state, so notebooks meant to be read without a kernel (ours in ``notebooks/``) are
-saved with the widget view dropped from each output: the static HTML (inline SVG/PNG) then shows, and
-running the cell brings the widget back. Result objects implement ``_repr_mimebundle_`` through
-:func:`bundle`.
+saved with the widget view dropped from each output: the static HTML then shows, and running the
+cell brings the widget back. Result objects implement ``_repr_mimebundle_`` through :func:`bundle`.
+
+The static HTML survives the sanitizer of a notebook opened without trusting it (JupyterLab,
+Notebook 7 strip ``<svg>`` and ``<style>``): semantic HTML plus figures as
+``<img src="data:image/png;base64,...">`` (:mod:`torch_nbdebug.render.figures`). Stricter readers
+drop or escape every ``<img>`` inside HTML — nbconvert's ``--HTMLExporter.sanitize_html=True``
+escapes it into text — but show ``image/png`` outputs; for them :func:`split_figures` turns one saved
+output into its HTML pieces and its pictures as separate ``image/png`` outputs, in order.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+# How render.figures.img_tag writes a figure: class first, then the inline PNG, alt, title, size.
+FIGURE = re.compile(r'<img class="tnd-figure[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)" alt="([^"]*)"'
+                    r'[^>]*?width="(\d+)" height="(\d+)">')
 
 
 def bundle(text: str, html: Optional[str] = None, widget: Any = None) -> dict[str, Any]:
@@ -49,3 +59,41 @@ class Displayable:
 
     def __repr__(self) -> str:
         return self.text()
+
+
+def split_figures(output: dict[str, Any]) -> list[dict[str, Any]]:
+    """One saved output (an nbformat ``display_data``/``execute_result`` dict) as a list of outputs:
+    the HTML before each figure, the figure as ``image/png`` (its alt text as ``text/plain``), the
+    HTML after it, ... An output without our figures, or still holding a widget view, comes back
+    as it was. The first piece keeps the output's type, text/plain and metadata.
+    """
+    data = output.get("data", {})
+    html = data.get("text/html")
+    if isinstance(html, list):
+        html = "".join(html)
+    if not isinstance(html, str) or WIDGET_MIME in data or not FIGURE.search(html):
+        return [output]
+    import html as html_lib
+
+    pieces: list[dict[str, Any]] = []
+    at = 0
+    for found in FIGURE.finditer(html):
+        pieces.append({"text/html": html[at:found.start()]})
+        b64, alt, width, height = found.groups()
+        pieces.append({"image/png": b64, "text/plain": html_lib.unescape(alt), "_size": (int(width), int(height))})
+        at = found.end()
+    pieces.append({"text/html": html[at:]})
+    out: list[dict[str, Any]] = []
+    for piece in pieces:
+        if "text/html" in piece and not re.sub(r"<[^>]*>|\s", "", piece["text/html"]):
+            continue  # only tags left (a wrapper's closing </div>): nothing to show
+        size = piece.pop("_size", None)
+        meta = {"image/png": {"width": size[0], "height": size[1]}} if size else {}
+        out.append({"output_type": "display_data", "data": piece, "metadata": meta})
+    first = out[0]
+    first["output_type"] = output.get("output_type", "display_data")
+    if "execution_count" in output:
+        first["execution_count"] = output["execution_count"]
+    first["metadata"] = {**output.get("metadata", {}), **first["metadata"]}
+    first["data"] = {"text/plain": data.get("text/plain", ""), **first["data"]}
+    return out

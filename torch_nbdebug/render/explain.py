@@ -80,7 +80,7 @@ def _code(text: str) -> str:
 
 
 def _row(label: str, value_html: str) -> str:
-    return (f'<tr style="background:transparent"><td style="{_LABEL}">{esc(label)}</td>'
+    return (f'<tr style="background:transparent"><th scope="row" style="{_LABEL}">{esc(label)}</th>'
             f'<td class="tnd-explain-{esc(label)}" style="{_CELL}">{value_html}</td></tr>')
 
 
@@ -99,7 +99,7 @@ def diagnosis_html(d: Diagnosis) -> str:
     note_html = "".join(f'<div class="tnd-explain-note" style="margin-top:6px">{_code(n)}</div>' for n in notes)
     return (f'<div class="tnd-explain tnd-explain-{esc(d.kind)}" data-kind="{esc(d.kind)}" style="{_CARD}">'
             f'<div class="tnd-explain-title" style="font-weight:700;color:{_BORDER};margin-bottom:4px">'
-            f"{_code(title(d))}</div>"
+            f"<b>{_code(title(d))}</b></div>"
             f'<table style="border-collapse:collapse;margin:0;width:auto">{body}</table>{note_html}</div>')
 
 

@@ -1,4 +1,4 @@
-"""Gradient views: a text table, static HTML (inline SVG flow plot, PNG heatmap, SVG histograms) and
+"""Gradient views: a text table, static HTML (PNG pictures: flow chart, heatmap, histograms) and
 the stepper widget (``static/grads.js``).
 
 The static view is what a notebook opened without a kernel shows, so it carries both overview
@@ -19,7 +19,7 @@ import traitlets
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELDS, Flag, GradTrace, Histogram
 from torch_nbdebug.process.grads import flagged_layers, layer_arrays, layer_table, norm_heatmap
-from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.html import esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
 
 FLAG_COLOURS = {"non-finite": "#cf222e", "exploding": "#bc4c00", "vanishing": "#8250df", "dead": "#57606a",
@@ -72,57 +72,75 @@ def text(trace: GradTrace, flags: tuple[Flag, ...], step: int = -1) -> str:
 
 
 # -- static images ------------------------------------------------------------------------------
-def flow_svg(trace: GradTrace, step: int, flags: tuple[Flag, ...], width: Optional[int] = None) -> str:
-    """Gradient flow: max |g| (light bar) and mean |g| (dark bar) per layer on a log scale."""
-    width = width or max(8, min(40, 640 // max(len(trace.layers), 1)))
+FLOW_H = 230
+
+
+def flow_alt(trace: GradTrace, step: int, flags: tuple[Flag, ...]) -> str:
+    """What the flow chart shows, in words (its alt text)."""
     table = layer_table(trace, step)
-    mean, peak = table["mean_abs"], table["max_abs"]
+    mean = np.asarray(table["mean_abs"], dtype=float)
+    ok = np.isfinite(mean) & (mean > 0)
+    span = (f"mean |g| from {fmt(float(mean[ok].min()))} to {fmt(float(mean[ok].max()))}" if ok.any()
+            else "no finite non-zero gradient")
+    marked = flagged_layers(tuple(f for f in flags if f.step == step))
+    flagged = "; flagged: " + ", ".join(f"#{li} {trace.layers[li].name} ({', '.join(f.kind for f in fs)})"
+                                        for li, fs in sorted(marked.items())) if marked else ""
+    return f"gradient flow: mean and max |gradient| of {len(trace.layers)} layers, log scale; {span}{flagged}"
+
+
+def flow_width(trace: GradTrace) -> int:
+    return max(360, min(900, 90 + 22 * len(trace.layers)))
+
+
+def flow_png(trace: GradTrace, step: int, flags: tuple[Flag, ...]) -> bytes:
+    """Gradient flow: max |g| (light bar) and mean |g| (dark bar) per layer on a log scale."""
+    from torch_nbdebug.render.figures import png
+
+    return png(lambda fig: _draw_flow(fig, trace, step, flags), flow_width(trace), FLOW_H)
+
+
+def _draw_flow(fig: Any, trace: GradTrace, step: int, flags: tuple[Flag, ...]) -> None:
+    table = layer_table(trace, step)
+    mean, peak = np.asarray(table["mean_abs"], dtype=float), np.asarray(table["max_abs"], dtype=float)
     vals = np.concatenate([mean, peak])
     vals = vals[np.isfinite(vals) & (vals > 0)]
     lo, hi = (math.floor(math.log10(vals.min())), math.ceil(math.log10(vals.max()))) if len(vals) else (-8, 0)
     hi = max(hi, lo + 1)
-    n, h, left = len(trace.layers), 160, 58
-    w = left + n * width + 10
-    bottom = 44  # layer numbers and the axis title under the bars
-    y = lambda v: h - (math.log10(v) - lo) / (hi - lo) * h + 8 if v > 0 and math.isfinite(v) else h + 8  # noqa: E731
     by_layer = flagged_layers(tuple(f for f in flags if f.step == step))
-    parts = [f'<svg class="tnd-flow" style="background:#fff" xmlns="http://www.w3.org/2000/svg" width="{max(w, 260)}" height="{h + bottom}" '
-             f'role="img" aria-label="gradient flow" font-family="sans-serif">',
-             f'<text x="11" y="{h / 2 + 8:.0f}" font-size="10" text-anchor="middle" fill="#57606a" '
-             f'transform="rotate(-90 11 {h / 2 + 8:.0f})">|gradient| (log scale)</text>',
-             f'<text x="{left + n * width / 2:.0f}" y="{h + bottom - 4}" font-size="10" text-anchor="middle" '
-             f'fill="#57606a">layer # (as in the table)</text>']
-    for e in range(lo, hi + 1):
-        parts.append(f'<line x1="{left}" x2="{w}" y1="{y(10.0 ** e):.1f}" y2="{y(10.0 ** e):.1f}" stroke="#eaeef2"/>'
-                     f'<text x="{left - 4}" y="{y(10.0 ** e) + 4:.1f}" font-size="10" text-anchor="end" fill="#57606a">1e{e}</text>')
-    for li, layer in enumerate(trace.layers):
-        x = left + li * width
-        colour = FLAG_COLOURS[by_layer[li][0].kind] if li in by_layer else "#1f6feb"
-        tip = esc(f"{layer.name} ({layer.kind}): mean |g| {fmt(mean[li])}, max |g| {fmt(peak[li])}"
-                  + "".join(f"; {f.kind}: {f.reason}" for f in by_layer.get(li, [])))
-        if not (np.isfinite(mean[li]) and np.isfinite(peak[li])):  # nothing to draw: say why, in red
-            parts.append(f'<rect x="{x + 2}" y="8" width="{width - 4}" height="{h}" fill="#cf222e" opacity="0.12">'
-                         f'<title>{tip}</title></rect><text x="{x + width / 2:.1f}" y="{h / 2 + 8:.1f}" font-size="9" '
-                         f'text-anchor="middle" fill="#cf222e" transform="rotate(-90 {x + width / 2:.1f} {h / 2 + 8:.1f})">'
-                         f'NaN/Inf</text>')
-        for v, opacity in ((peak[li], 0.35), (mean[li], 1.0)):
-            if np.isfinite(v) and v > 0:
-                parts.append(f'<rect x="{x + 2}" y="{y(v):.1f}" width="{width - 4}" height="{h + 8 - y(v):.1f}" '
-                             f'fill="{colour}" fill-opacity="{opacity}"><title>{tip}</title></rect>')
-        if n <= 40 or li % max(1, n // 20) == 0:
-            parts.append(f'<text x="{x + width / 2:.1f}" y="{h + 20}" font-size="9" text-anchor="middle" '
-                         f'fill="#57606a">{li}</text>')
-        if li in by_layer:
-            parts.append(f'<text x="{x + width / 2:.1f}" y="{h + 30}" font-size="10" font-weight="bold" '
-                         f'text-anchor="middle" fill="{colour}">!</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+    n = len(trace.layers)
+    ax = fig.add_axes((70 / flow_width(trace), 0.26, 1 - 85 / flow_width(trace), 0.66))
+    xs = np.arange(n)
+    colours = [FLAG_COLOURS[by_layer[i][0].kind] if i in by_layer else "#1f6feb" for i in range(n)]
+    ax.bar(xs, np.where(np.isfinite(peak) & (peak > 0), peak, np.nan), width=0.8, color=colours, alpha=0.35,
+           bottom=10.0 ** lo, label="max |g|")
+    ax.bar(xs, np.where(np.isfinite(mean) & (mean > 0), mean, np.nan), width=0.8, color=colours,
+           bottom=10.0 ** lo, label="mean |g|")
+    ax.set_yscale("log")
+    ax.set_ylim(10.0 ** lo, 10.0 ** hi)
+    for i in range(n):
+        if not (np.isfinite(mean[i]) and np.isfinite(peak[i])):  # nothing to draw: say why, in red
+            ax.axvspan(i - 0.4, i + 0.4, color="#cf222e", alpha=0.12)
+            ax.text(i, 10.0 ** ((lo + hi) / 2), "NaN/Inf", rotation=90, ha="center", va="center", color="#cf222e",
+                    fontsize=8)
+        if i in by_layer:
+            ax.annotate("!", (i, 10.0 ** lo), xytext=(0, -22), textcoords="offset points", ha="center",
+                        color=colours[i], fontweight="bold", annotation_clip=False)
+    every = 1 if n <= 40 else max(1, n // 20)
+    ax.set_xticks(xs[::every], [str(i) for i in xs[::every]])
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_xlabel("layer # (as in the table)" + ("; ! = flagged" if by_layer else ""), labelpad=10 if by_layer else 4)
+    ax.set_ylabel("|gradient| (log)")
+    ax.grid(axis="y", color="#eaeef2", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(loc="upper right", ncol=2, fontsize=7.5, bbox_to_anchor=(1, 1.14))
 
 
-def heatmap_png(grid: np.ndarray, scale: int = 4, bad: Optional[np.ndarray] = None) -> str:
-    """Layers × steps of log10 norm as a base64 PNG (one pixel per cell, scaled by CSS).
+def heatmap_rgb(grid: np.ndarray, bad: Optional[np.ndarray] = None) -> tuple[np.ndarray, float, float]:
+    """Layers × steps of log10 norm as RGB (viridis; white = no gradient, red = NaN/Inf) and its log range.
 
-    ``bad`` (same shape, bool) marks cells whose gradient had NaN/Inf: drawn red, not blank.
+    More than a few hundred steps are averaged (in log space) into buckets. ``bad`` (same shape,
+    bool) marks cells whose gradient had NaN/Inf: drawn red, not blank.
     """
     if grid.shape[1] > _HEAT_MAX_COLS:  # average log-norms over buckets of steps
         edges = np.linspace(0, grid.shape[1], _HEAT_MAX_COLS + 1).astype(int)
@@ -132,16 +150,62 @@ def heatmap_png(grid: np.ndarray, scale: int = 4, bad: Optional[np.ndarray] = No
             grid = np.stack([np.nanmean(grid[:, a:b], axis=1) for a, b in buckets], axis=1)
         if bad is not None:
             bad = np.stack([bad[:, a:b].any(axis=1) for a, b in buckets], axis=1)
-    logs = np.log10(np.where(grid > 0, grid, np.nan))
+    with np.errstate(all="ignore"):
+        logs = np.log10(np.where(grid > 0, grid, np.nan))
     finite = logs[np.isfinite(logs)]
-    lo, hi = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     t = np.clip((logs - lo) / max(hi - lo, 1e-12), 0, 1)
     rgb = _viridis(np.nan_to_num(t))
     rgb[~np.isfinite(logs)] = (255, 255, 255)
     rgb[np.isposinf(logs)] = (207, 34, 46)  # an infinite norm overflowed: as loud as NaN
     if bad is not None:
         rgb[bad] = (207, 34, 46)
-    return base64.b64encode(_png(rgb)).decode("ascii")
+    return rgb, lo, hi
+
+
+def heatmap_png(grid: np.ndarray, bad: Optional[np.ndarray] = None) -> str:
+    """Layers × steps of log10 norm as a base64 PNG, one pixel per cell (see :func:`heatmap_rgb`)."""
+    return base64.b64encode(_png(heatmap_rgb(grid, bad)[0])).decode("ascii")
+
+
+def heatmap_figure(trace: GradTrace, flags: tuple[Flag, ...] = ()) -> str:
+    """The layers × steps heatmap as an ``<img>``: rows = layers, columns = steps, a colour bar."""
+    from torch_nbdebug.render.figures import picture
+
+    grid = norm_heatmap(trace)
+    n_l, n_s = grid.shape
+    bad = np.zeros(grid.shape, bool)
+    for f in flags:
+        if f.kind == "non-finite" and 0 <= f.layer < n_l and 0 <= f.step < n_s:
+            bad[f.layer, f.step] = True
+    rgb, lo, hi = heatmap_rgb(grid, bad)
+    height = max(150, min(420, 70 + 14 * n_l))
+    alt = (f"gradient norm heatmap: {n_l} layers (rows, #0 {trace.layers[0].name} at the top) by {n_s} steps "
+           f"(columns {trace.steps[0]}…{trace.steps[-1]}); ‖g‖ from {fmt(10 ** lo)} to {fmt(10 ** hi)}, log colour"
+           + ("; red = NaN/Inf" if bad.any() else ""))
+    return picture(lambda fig: _draw_heatmap(fig, trace, rgb, lo, hi, height), 640, height, alt,
+                   "tnd-figure tnd-heatmap")
+
+
+def _draw_heatmap(fig: Any, trace: GradTrace, rgb: np.ndarray, lo: float, hi: float, height: int) -> None:
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.ticker import NullFormatter
+
+    ax = fig.add_axes((0.1, 48 / height, 0.7, 1 - 60 / height))
+    n_l = rgb.shape[0]
+    first, last = trace.steps[0], trace.steps[-1]
+    ax.imshow(rgb, aspect="auto", interpolation="nearest", extent=(first - 0.5, last + 0.5, n_l - 0.5, -0.5))
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer #")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    cax = fig.add_axes((0.83, 48 / height, 0.025, 1 - 60 / height))
+    cmap = ListedColormap(_viridis(np.linspace(0, 1, 256)) / 255.0)
+    bar = fig.colorbar(ScalarMappable(LogNorm(10 ** lo, 10 ** max(hi, lo + 1e-6)), cmap), cax=cax)
+    bar.set_label("‖g‖ (log)")
+    bar.ax.yaxis.set_minor_formatter(NullFormatter())  # 2e-1, 3e-1, ... would crowd the bar
+    bar.set_ticks([10 ** lo, 10 ** hi], labels=[fmt(10 ** lo), fmt(10 ** hi)])  # the range, whatever its span
 
 
 def _viridis(t: np.ndarray) -> np.ndarray:
@@ -162,108 +226,105 @@ def _png(rgb: np.ndarray) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def hist_svg(hist: Histogram, log: bool = False, width: int = 256, height: int = 80) -> str:
-    counts = np.array(hist.counts)
-    shown = np.log10(counts + 1) if log else counts
-    top = max(float(shown.max()), 1e-12)
-    bw = width / len(counts)
-    bars = "".join(f'<rect x="{i * bw:.1f}" y="{height - v / top * height:.1f}" width="{max(bw - 0.5, 0.5):.1f}" '
-                   f'height="{v / top * height:.1f}" fill="#1f6feb"/>' for i, v in enumerate(shown) if v > 0)
-    zero = ""
+def hist_alt(name: str, hist: Histogram) -> str:
+    counts = np.asarray(hist.counts, dtype=float)
+    at = int(counts.argmax()) if counts.size else 0
+    centre = hist.lo + (hist.hi - hist.lo) * (at + 0.5) / max(len(counts), 1)
+    return (f"histogram of {name}.grad: {len(counts)} bins from {fmt(hist.lo)} to {fmt(hist.hi)}, "
+            f"most values near {fmt(centre)}" + ("" if hist.exact else " (estimated from a sample)"))
+
+
+def hist_figure(name: str, hist: Histogram, log: bool = False, width: int = 300, height: int = 130) -> str:
+    """One parameter's gradient histogram as an ``<img>``: bars, where zero falls, both end values."""
+    from torch_nbdebug.render.figures import picture
+
+    return picture(lambda fig: _draw_hist(fig, hist, log), width, height, hist_alt(name, hist),
+                   "tnd-figure tnd-hist")
+
+
+def _draw_hist(fig: Any, hist: Histogram, log: bool) -> None:
+    ax = fig.add_axes((0.04, 0.2, 0.92, 0.76))
+    counts = np.asarray(hist.counts, dtype=float)
+    edges = np.asarray(hist.edges)
+    ax.bar(edges[:-1], np.log10(counts + 1) if log else counts, width=np.diff(edges), align="edge",
+           color="#1f6feb", linewidth=0)
     if hist.lo < 0 < hist.hi:  # where zero falls: a gradient centred off zero is worth seeing
-        zx = (0 - hist.lo) / (hist.hi - hist.lo) * width
-        zero = (f'<line x1="{zx:.1f}" x2="{zx:.1f}" y1="0" y2="{height}" stroke="#57606a" stroke-dasharray="2 2"/>'
-                f'<text x="{zx:.1f}" y="{height + 12}" font-size="10" text-anchor="middle" fill="#57606a">0</text>')
-    return (f'<svg class="tnd-hist" style="background:#fff" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 14}" '
-            f'font-family="sans-serif">{bars}<line x1="0" x2="{width}" y1="{height}" y2="{height}" stroke="#8c959f"/>{zero}'
-            f'<text x="0" y="{height + 12}" font-size="10" fill="#57606a">{esc(fmt(hist.lo))}</text>'
-            f'<text x="{width}" y="{height + 12}" font-size="10" text-anchor="end" fill="#57606a">{esc(fmt(hist.hi))}</text></svg>')
+        ax.axvline(0, color="#57606a", linestyle=(0, (2, 2)), linewidth=0.8)
+    ax.set_xlim(hist.lo, hist.hi if hist.hi > hist.lo else hist.lo + max(abs(hist.lo), 1.0) * 1e-3)
+    ax.set_yticks([])
+    ticks = [hist.lo, 0.0, hist.hi] if hist.lo < 0 < hist.hi else [hist.lo, hist.hi]
+    ax.set_xticks(ticks, [fmt(t) for t in ticks])
+    labels = ax.get_xticklabels()  # end labels inside the axis so they never collide or clip
+    labels[0].set_horizontalalignment("left")
+    labels[-1].set_horizontalalignment("right")
+    ax.spines[["top", "right", "left"]].set_visible(False)
 
 
 # -- static HTML -----------------------------------------------------------------------------------
+FLOW_KEY = "per layer at this step: dark bar = mean |g|, light bar = max |g|, log scale; ! = flagged (see the table)"
+
+
 def html(trace: GradTrace, flags: tuple[Flag, ...], layer: int = 0, step: int = -1) -> str:
+    from torch_nbdebug.render.figures import img_tag
+
     step = step % len(trace.steps) if trace.steps else 0
-    parts = [stylesheet(), '<div class="tnd tnd-grads">', f"<h3>{esc(_title(trace, step))}</h3>"]
+    parts = ['<div class="tnd tnd-grads">', f"<h3>{esc(_title(trace, step))}</h3>"]
     if trace.steps:
-        parts.append('<div><b>gradient flow</b> <span class="muted">per layer at this step: <b>dark bar</b> = mean |g|, '
-                     '<b>light bar</b> = max |g|, log scale; ! = flagged (see the table)</span></div>'
-                     '<div style="overflow-x:auto">' + flow_svg(trace, step, flags) + "</div>")
+        parts.append(f"<p><b>Gradient flow</b> {muted(FLOW_KEY)}</p><div>" + img_tag(flow_png(trace, step, flags), flow_alt(trace, step, flags), flow_width(trace),
+                                         FLOW_H, "tnd-figure tnd-flow") + "</div>")
         if len(trace.steps) > 1:
             parts.append(_heatmap_block(trace, flags))
         parts.append(_layer_table_html(trace, flags, step, layer))
         parts.append(_layer_detail_html(trace, layer, step, flags))
-    parts += [f'<p class="muted">{esc(n)}</p>' for n in trace.notes]
+    parts += [f"<p>{muted(esc(n))}</p>" for n in trace.notes]
     parts.append("</div>")
     return "".join(parts)
 
 
 def _heatmap_block(trace: GradTrace, flags: tuple[Flag, ...] = ()) -> str:
-    grid = norm_heatmap(trace)
-    n_l, n_s = grid.shape
-    bad = np.zeros(grid.shape, bool)
-    for f in flags:
-        if f.kind == "non-finite" and 0 <= f.layer < n_l and 0 <= f.step < n_s:
-            bad[f.layer, f.step] = True
-    logs = np.log10(grid[np.isfinite(grid) & (grid > 0)])
-    px = max(2, min(40, 640 // max(min(n_s, _HEAT_MAX_COLS), 1)))
-    py = max(4, min(20, 240 // max(n_l, 1)))
-    img = (f'<img class="tnd-heatmap" alt="gradient norm, layers by steps" src="data:image/png;base64,'
-           f'{heatmap_png(grid, bad=bad)}" style="image-rendering:pixelated;width:{min(n_s, _HEAT_MAX_COLS) * px}px;'
-           f'height:{n_l * py}px;border:1px solid #d0d7de">')
-    scale = ""
-    if logs.size:
-        stops = ", ".join(f"rgb{tuple(int(c) for c in v)}" for v in _viridis(np.linspace(0, 1, 5)))
-        scale = (f'<div class="legend muted" style="margin-top:2px">‖g‖ colour: <span class="mono">{fmt(10 ** logs.min())}</span> '
-                 f'<span style="display:inline-block;width:120px;height:10px;vertical-align:-1px;'
-                 f'background:linear-gradient(to right, {stops})"></span> <span class="mono">{fmt(10 ** logs.max())}</span>'
-                 f' (log) &nbsp; <span class="swatch" style="background:#cf222e"></span>NaN/Inf &nbsp; '
-                 f'<span class="swatch" style="background:#fff"></span>no gradient</div>')
-    return (f'<div style="margin-top:8px"><b>gradient norm, layers × steps</b> <span class="muted">(rows = layers in '
-            f'{esc(trace.order)} order, #0 {esc(trace.layers[0].name)} at the top; columns = steps '
-            f'{trace.steps[0]}…{trace.steps[-1]}, left to right)</span><br>{img}{scale}</div>')
+    key = (f"(rows = layers in {esc(trace.order)} order, #0 <code>{esc(trace.layers[0].name)}</code> at the top; "
+           "columns = steps; white = no gradient, red = NaN/Inf)")
+    return f"<p><b>Gradient norm, layers × steps</b> {muted(key)}</p><div>{heatmap_figure(trace, flags)}</div>"
+
+
+def _flag_text(f: Flag) -> str:
+    return f'<b style="color:{FLAG_COLOURS[f.kind]}">{esc(f.kind)}</b>: {esc(f.reason)}'
 
 
 def _layer_table_html(trace: GradTrace, flags: tuple[Flag, ...], step: int, current: int) -> str:
-    table = layer_table(trace, step)
+    table_ = layer_table(trace, step)
     by_layer = flagged_layers(tuple(f for f in flags if f.step == step))
-    rows = ["<table><tr><th class='num'>#</th><th>layer</th><th>type</th><th class='num'>‖g‖</th>"
-            "<th class='num'>mean |g|</th><th class='num'>max |g|</th>"
-            "<th class='num' title='size of the last update relative to the weights'>‖Δw‖/‖w‖</th><th>flags</th></tr>"]
+    rows = []
     for li, layer in enumerate(trace.layers):
-        cls = ' class="sel"' if li == current else ""
-        why = "<br>".join(f'<span style="color:{FLAG_COLOURS[f.kind]}">{esc(f.kind)}</span>: {esc(f.reason)}'
-                          for f in by_layer.get(li, []))
-        rows.append(f"<tr{cls}><td class='num'>{li}</td><td class=\"mono nowrap\">{esc(layer.name)}</td><td>{esc(layer.kind)}</td>"
-                    f"<td class='num'>{fmt(table['norm'][li])}</td><td class='num'>{fmt(table['mean_abs'][li])}</td>"
-                    f"<td class='num'>{fmt(table['max_abs'][li])}</td><td class='num'>{fmt(table['update_ratio'][li])}</td>"
-                    f"<td>{why}</td></tr>")
-    return "".join(rows) + "</table>"
+        name = f"<code>{esc(layer.name)}</code>" + (" ◀ <b>shown below</b>" if li == current else "")
+        rows.append((str(li), name, esc(layer.kind), fmt(table_["norm"][li]), fmt(table_["mean_abs"][li]),
+                     fmt(table_["max_abs"][li]), fmt(table_["update_ratio"][li]),
+                     "<br>".join(_flag_text(f) for f in by_layer.get(li, []))))
+    head = ["#", "layer", "type", "‖g‖", "mean |g|", "max |g|",
+            '<abbr title="size of the last update relative to the weights">‖Δw‖/‖w‖</abbr>', "flags"]
+    return table(head, rows, numeric=[0, 3, 4, 5, 6], cls="tnd-grads-layers")
 
 
 def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Flag, ...] = ()) -> str:
     lg = trace.layer(layer, step)
     mine = [f for f in flags if f.step == step and f.layer == layer]
-    cls = "card" if any(f.kind == "non-finite" for f in mine) else "card caution" if mine else "card info"
-    parts = [f'<div class="{cls}"><b class="mono">{esc(lg.name)}</b> ({esc(lg.info.kind)}) '
-             f'<span class="muted">— layer #{layer}, the one marked in the table</span>']
-    parts += [f'<div style="color:{FLAG_COLOURS[f.kind]}">{esc(f.kind)}: {esc(f.reason)}</div>' for f in mine]
-    head = ("<tr><th>parameter</th><th>shape</th><th class='num'>‖g‖</th><th class='num'>mean</th><th class='num'>std</th>"
-            "<th class='num'>max |g|</th><th class='num'>zeros</th><th class='num'>NaN</th><th class='num'>Inf</th>"
-            "<th class='num'>‖w‖</th><th class='num'>‖Δw‖/‖w‖</th></tr>")
+    parts = [f"<h3>Layer #{layer}: <code>{esc(lg.name)}</code> ({esc(lg.info.kind)})</h3>"]
+    parts += [f"<p>{_flag_text(f)}</p>" for f in mine]
     rows, hists = [], []
     for p in lg.params:
         approx = not p.exact
         cells = (fmt(p.norm), fmt(p.mean), fmt(p.std), fmt(p.max_abs), fmt_count(p.zeros, approx),
                  fmt_count(p.nan, approx), fmt_count(p.inf, approx), fmt(p.param_norm), fmt(p.update_ratio, approx))
-        rows.append(f"<tr><td class='mono'>{esc(p.info.short)}</td><td class='mono nowrap'>{esc(list(p.info.shape))}</td>"
-                    + "".join(f"<td class='num'>{c}</td>" for c in cells) + "</tr>")
+        rows.append((f"<code>{esc(p.info.short)}</code>", f"<code>{esc(list(p.info.shape))}</code>", *cells))
         if p.hist is not None:
-            hists.append(f'<div style="display:inline-block;margin-right:16px"><div class="muted">'
-                         f'<span class="mono">{esc(p.info.short)}</span>.grad values (histogram)</div>{hist_svg(p.hist)}</div>')
-    parts.append(f"<table>{head}{''.join(rows)}</table>" + "".join(hists))
+            hists.append(f'<div style="display:inline-block;margin-right:16px;vertical-align:top"><b><code>'
+                         f'{esc(p.info.short)}</code>.grad values</b><br>{hist_figure(p.info.short, p.hist)}</div>')
+    head = ["parameter", "shape", "‖g‖", "mean", "std", "max |g|", "zeros", "NaN", "Inf", "‖w‖", "‖Δw‖/‖w‖"]
+    parts.append(table(head, rows, numeric=range(2, 11)))
+    parts.append(f"<div>{''.join(hists)}</div>")  # side by side where styles apply, else one under the other
     if lg.activation:
-        parts.append("<div>activations: " + esc(", ".join(f"{k} {fmt(v)}" for k, v in lg.activation.items())) + "</div>")
-    return "".join(parts) + "</div>"
+        parts.append("<p>activations: " + esc(", ".join(f"{k} {fmt(v)}" for k, v in lg.activation.items())) + "</p>")
+    return "".join(parts)
 
 
 # -- widget ----------------------------------------------------------------------------------------
@@ -308,4 +369,5 @@ def _f32(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
-__all__ = ["text", "html", "widget", "GradsView", "flow_svg", "heatmap_png", "hist_svg", "fmt", "FLAG_COLOURS"]
+__all__ = ["text", "html", "widget", "GradsView", "flow_png", "heatmap_png", "heatmap_figure", "hist_figure", "fmt",
+           "FLAG_COLOURS"]

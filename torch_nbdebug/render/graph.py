@@ -1,8 +1,9 @@
-"""The graph explorer: static SVG and DOT of the current view, text summary, and the live widget.
+"""The graph explorer: static PNG, SVG and DOT of the current view, text summary, and the live widget.
 
 :class:`GraphExplorer` holds a :class:`GraphData`, its hierarchy and the set of open groups. The
 kernel lays out each view (``process.graph_layout``) and draws it as SVG with every user string
-escaped; the widget shows that SVG, pans and zooms it in the browser and sends clicks back
+escaped (and, for the static view saved in notebooks, as a PNG picture from the same layout); the
+widget shows that SVG, pans and zooms it in the browser and sends clicks back
 (``toggle``/``select``/``search``/``dot``), so the browser never needs Graphviz or a layout engine.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch_nbdebug.process import graph as pg
 from torch_nbdebug.process.graph_details import details, group_label, node_label, search, shape_text
 from torch_nbdebug.process.graph_layout import Layout, layout
 from torch_nbdebug.render.bundle import Displayable
-from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.html import bad, esc, muted, swatch, table
 from torch_nbdebug.render.widget import View, esm_path
 
 CHAR_W = 6.8
@@ -35,10 +36,125 @@ LEGEND = (("input", "input"), ("param", "parameter"), ("op", "op"), ("output", "
 
 
 def legend_html() -> str:
-    """What the box colours mean (the same swatches as the SVG, so no CSS is needed for them)."""
-    keys = "".join(f'<span><span class="swatch" style="background:{COLORS[k][0]};border-color:{COLORS[k][1]}"></span>'
-                   f"{esc(label)}</span>" for k, label in LEGEND)
-    return f'<div class="legend muted tnd-graph-legend">{keys}<span>‖g‖ = gradient norm</span></div>'
+    """What the box colours mean: a swatch next to each label (the label alone says it without styles)."""
+    keys = " ".join(f"{swatch(COLORS[k][1])}{esc(label)}" for k, label in LEGEND)
+    return f'<p class="tnd-graph-legend">{muted("Boxes: " + keys + " · ‖g‖ = gradient norm")}</p>'
+
+
+STATIC_NOTE = ("Static picture of the groups open now (▸ closed, ▾ open). With a running kernel the widget opens "
+               "groups on click, searches, pans/zooms and exports SVG/PNG/DOT.")
+STATIC_MAX_W, STATIC_MAX_H = 1000.0, 1600.0  # a bigger view shrinks to fit (its text with it) ...
+STATIC_MIN_SCALE = 0.5  # ... but never below half size, where 11-px labels become unreadable
+ITEMS_SHOWN = 80  # rows of the static item table; the rest are counted
+
+
+def graph_alt(ex: "GraphExplorer", vg: pg.ViewGraph) -> str:
+    """What the picture shows, in words: the summary and the boxes in drawing order."""
+    names = [ex.label(i)[0] for i in ex.shown()]
+    listed = ", ".join(names[:24]) + (f", … {len(names) - 24} more" if len(names) > 24 else "")
+    marked = [n for n in ex.data.nodes if n.nan]
+    nan = f"; first NaN/Inf at {marked[0].label}" if marked else ""
+    return f"computation graph ({ex.data.summary()}); boxes shown: {listed}{nan}"
+
+
+def items_html(ex: "GraphExplorer", vg: pg.ViewGraph) -> str:
+    """The boxes of the picture as a table (inside ``<details>``): searchable text for every view."""
+    rows = []
+    for item in ex.shown()[:ITEMS_SHOWN]:
+        main, sub = ex.label(item)
+        if item in ex.hierarchy.groups:
+            g = ex.hierarchy.groups[item]
+            kind, where = "module (closed)" if g.kind != "chunk" else "chunk of ops", g.path or g.label
+        else:
+            node = ex.data.node(item)
+            kind, where = dict(LEGEND).get(node.kind, node.kind), node.module or ""
+        nan = item in ex.nan_groups() or (item not in ex.hierarchy.groups and ex.data.node(item).nan)
+        rows.append((f"<code>{esc(main)}</code>" + (f" {bad('first NaN/Inf')}" if nan else ""), esc(kind),
+                     f"<code>{esc(sub)}</code>", f"<code>{esc(where)}</code>" if where else ""))
+    more = len(ex.shown()) - len(rows)
+    rest = f"<p>{muted(f'… {more:,} more')}</p>" if more > 0 else ""
+    return (f"<details><summary>The {len(ex.shown()):,} boxes of this picture, as a table</summary>"
+            f"{table(['box', 'kind', 'shape / size', 'module'], rows)}{rest}</details>")
+
+
+def render_png(ex: "GraphExplorer", lay: Layout) -> tuple[bytes, int, int]:
+    """The view drawn with matplotlib from the kernel-side layout; returns PNG bytes and CSS size."""
+    from torch_nbdebug.render.figures import png
+
+    m = 8.0
+    w, h = lay.width + 2 * m, lay.height + 2 * m
+    # Fit the width, and the height where that keeps the text legible; a huge view stays tall.
+    scale = max(min(1.0, STATIC_MAX_W / w, STATIC_MAX_H / h), min(1.0, STATIC_MAX_W / w, STATIC_MIN_SCALE))
+    width, height = round(max(w * scale, 40.0)), round(max(h * scale, 30.0))
+    return png(lambda fig: _draw_graph(fig, ex, lay, m, scale), width, height), width, height
+
+
+def _draw_graph(fig: Any, ex: "GraphExplorer", lay: Layout, m: float, scale: float) -> None:
+    from matplotlib.patches import FancyBboxPatch, PathPatch, Polygon
+    from matplotlib.path import Path
+
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_axis_off()
+    ax.set_xlim(-m, lay.width + m)
+    ax.set_ylim(lay.height + m, -m)  # y grows downwards, as in the layout
+    pt = 0.72 * scale  # layout px -> font points at 100 DPI
+    mono = "DejaVu Sans Mono"
+    for box in lay.boxes.values():
+        if box.kind == "cluster":
+            g = ex.hierarchy.groups[box.id]
+            ax.add_patch(FancyBboxPatch((box.x, box.y), box.w, box.h, boxstyle="round,pad=0,rounding_size=6",
+                                        facecolor="#fbfbfc", edgecolor="#8c959f", linestyle=(0, (4, 3)), linewidth=0.8))
+            ax.text(box.x + 8, box.y + 15, f"▾ {group_label(ex.hierarchy, box.id)} {g.type_name}", fontsize=11 * pt,
+                    fontweight="bold", color="#57606a", family=mono, va="baseline", clip_on=True)
+    for r in lay.routes:
+        verts, codes = _curve(r.points)
+        ax.add_patch(PathPatch(Path(verts, codes), facecolor="none", edgecolor="#8c959f",
+                               linewidth=(1.0 + min(3.0, r.count / 4)) * scale))
+        x, y = r.points[-1]
+        ax.add_patch(Polygon([(x - 3.5, y - 7), (x + 3.5, y - 7), (x, y)], closed=True, color="#57606a"))
+    for box in lay.boxes.values():
+        if box.kind != "cluster":
+            _draw_item(ax, ex, box, pt, mono)
+
+
+def _curve(points: tuple[tuple[float, float], ...]) -> tuple[list[tuple[float, float]], list[int]]:
+    """The same smooth route as the SVG's ``_path_d``, as matplotlib path vertices and codes."""
+    from matplotlib.path import Path
+
+    verts, codes = [points[0]], [Path.MOVETO]
+    last = len(points) - 1
+    for k in range(1, len(points)):
+        (x1, y1), (x2, y2) = points[k - 1], points[k]
+        y2 = y2 - 6 if k == last else y2  # room for the arrow head
+        bend = max(8.0, abs(y2 - y1) / 2)
+        verts += [(x1, y1 + bend), (x2, y2 - bend), (x2, y2)]
+        codes += [Path.CURVE4] * 3
+    return verts, codes
+
+
+def _draw_item(ax: Any, ex: "GraphExplorer", box: Any, pt: float, mono: str) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    main, sub = ex.label(box.id)
+    if box.id in ex.hierarchy.groups:
+        group = ex.hierarchy.groups[box.id]
+        kind, nan = (group.kind if group.kind == "chunk" else "group"), box.id in ex.nan_groups()
+        main = "▸ " + main
+    else:
+        node = ex.data.node(box.id)
+        kind, nan = node.kind, node.nan
+    fill, stroke = COLORS["nan"] if nan else COLORS[kind]
+    wide = 2.5 if nan or box.id == ex.selected else 1.0
+    style = "round,pad=0,rounding_size=5"
+    if box.id in ex.hierarchy.groups:  # a second frame reads as "there is more inside"
+        ax.add_patch(FancyBboxPatch((box.x + 3, box.y + 3), box.w, box.h, boxstyle=style, facecolor=fill,
+                                    edgecolor=stroke, linewidth=0.8))
+    ax.add_patch(FancyBboxPatch((box.x, box.y), box.w, box.h, boxstyle=style, facecolor=fill, edgecolor=stroke,
+                                linewidth=wide))
+    ax.text(box.x + box.w / 2, box.y + 14, _clip(main, box.w), ha="center", va="baseline", fontsize=11 * pt,
+            color="#1f2328", family=mono)
+    ax.text(box.x + box.w / 2, box.y + 27, _clip(sub, box.w), ha="center", va="baseline", fontsize=10 * pt,
+            color="#57606a", family=mono)
 
 
 class GraphExplorer(Displayable):
@@ -181,11 +297,15 @@ class GraphExplorer(Displayable):
         return "\n".join(lines)
 
     def html(self) -> str:
-        notes = "".join(f"<div class='muted'>{esc(n)}</div>" for n in self.data.notes)
-        return (f"{stylesheet()}<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}{legend_html()}"
-                f"<div class='plot' style='max-height:640px;overflow:auto;border:1px solid #d8dee4'>{self.svg()}</div>"
-                f"<div class='muted'>Static view of the groups open now (▸ closed, ▾ open). With a running kernel "
-                f"the widget opens groups on click, searches, pans/zooms and exports SVG/PNG/DOT.</div></div>")
+        from torch_nbdebug.render.figures import img_tag
+
+        notes = "".join(f"<p>{muted(esc(n))}</p>" for n in self.data.notes)
+        vg, lay = self.view()
+        data, width, height = render_png(self, lay)
+        return (f"<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}{legend_html()}"
+                f"<div>{img_tag(data, graph_alt(self, vg), width, height, 'tnd-figure tnd-graph-figure')}</div>"
+                f"<p>{muted(STATIC_NOTE)}</p>"
+                f"{items_html(self, vg)}</div>")
 
     def to_dict(self) -> dict[str, Any]:
         """The plain graph plus the current view's open groups (JSON-able)."""

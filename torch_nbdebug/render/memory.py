@@ -1,4 +1,4 @@
-"""Memory views: text, a static SVG timeline (for notebooks without a kernel) and zoomable widgets.
+"""Memory views: text, a static PNG timeline (for notebooks without a kernel) and zoomable widgets.
 
 The widget holds the full-resolution series in the kernel; the browser asks for a sample range
 (``x_range``) and receives a decimated window (``view``), so a million events stay responsive.
@@ -13,7 +13,7 @@ import traitlets
 
 from torch_nbdebug.data.memory import CATEGORIES, CATEGORY_LABELS, Allocation, MemoryState, MemoryTimeline
 from torch_nbdebug.process.memory import allocation_spans, decimate, window
-from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.html import bad, esc, muted, swatch, table
 from torch_nbdebug.render.widget import View, esm_path
 
 COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_state": "#59a14f",
@@ -55,9 +55,8 @@ def _where(a: Any) -> str:
 
 
 def where(line: Any) -> str:
-    """``cell line 3: loss = ...`` for notebook cells (IPython's temp file names mean nothing to users)."""
-    if "ipykernel_" in line.filename or line.filename.startswith("<ipython-input"):
-        return f"cell line {line.lineno}: {line.text}" if line.text else f"cell line {line.lineno}"
+    """``In [7], line 3: loss = ...`` for notebook cells (``cell line 3`` when the cell's number is not
+    known: IPython's temp file names mean nothing to users), else ``file.py:3: ...``."""
     return str(line)
 
 
@@ -111,153 +110,135 @@ def state_text(st: MemoryState) -> str:
     return "\n".join(lines)
 
 
-# -- static SVG / HTML -----------------------------------------------------------------------------
-def timeline_svg(tl: MemoryTimeline, max_points: int = STATIC_POINTS) -> str:
-    """A self-contained SVG: stacked categories, shaded phases, iteration ticks, the peak marked."""
+# -- static picture / HTML --------------------------------------------------------------------------
+def timeline_alt(tl: MemoryTimeline) -> str:
+    """What the timeline picture shows, in words (its alt text)."""
+    if not len(tl.steps):
+        return "memory timeline: no events recorded"
+    at_peak = {c: tl.category_totals.get(c, {}).get("peak", 0) for c in CATEGORIES}
+    top = max(at_peak, key=lambda c: at_peak[c])
+    return (f"memory timeline: memory allocated by category over {len(tl.steps)} allocation/free events "
+            f"({tl.iterations} iteration(s)); peak {fmt_bytes(tl.peak_bytes)} at event {tl.peak_step}, "
+            f"mostly {CATEGORY_LABELS[top]} ({fmt_bytes(at_peak[top])})")
+
+
+def timeline_png(tl: MemoryTimeline, max_points: int = STATIC_POINTS) -> bytes:
+    """Stacked categories over events, shaded phases, iteration starts, reserved line, the peak marked."""
+    from torch_nbdebug.render.figures import png
+
+    return png(lambda fig: _draw_timeline(fig, tl, max_points), W, H + 40)
+
+
+def timeline_figure(tl: MemoryTimeline, max_points: int = STATIC_POINTS) -> str:
+    """The timeline as an ``<img>`` (kept by the sanitizers of untrusted notebooks)."""
+    from torch_nbdebug.render.figures import img_tag
+
+    return img_tag(timeline_png(tl, max_points), timeline_alt(tl), W, H + 40, "tnd-figure tnd-memory-figure")
+
+
+def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
+    ax = fig.add_axes((LEFT / W, 0.30, 1 - (LEFT + RIGHT) / W, 0.62))
     n = len(tl.steps)
     if n == 0:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="40"><text x="8" y="24">no events recorded</text></svg>'
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no events recorded", ha="center", va="center", transform=ax.transAxes)
+        return
+    reserved = tl.reserved is not None and len(tl.reserved) > 0
+    ymax = float(max(tl.peak_bytes, int(tl.reserved.max()) if reserved else 0, 1)) * 1.08
     idx = decimate(tl.totals, max_points)
-    ymax = float(max(tl.peak_bytes, int(tl.reserved.max()) if tl.reserved is not None and len(tl.reserved) else 0, 1)) * 1.08
-    sx = lambda s: LEFT + (W - LEFT - RIGHT) * (s / max(n - 1, 1))  # noqa: E731
-    sy = lambda b: TOP + (H - TOP - BOTTOM) * (1 - b / ymax)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="tnd-memory" style="background:#fff" width="{W}" height="{H}" '
-             f'viewBox="0 0 {W} {H}" font-size="10" font-family="sans-serif">']
-    rects, ticks = _phase_rects(tl, sx)
-    parts += rects
-    parts += _stack_polygons(tl.by_category[idx], tl.steps[idx], sx, sy)
-    parts += ticks  # iteration boundaries over the areas, so they stay visible
-    if tl.reserved is not None and len(tl.reserved):
-        pts = " ".join(f"{sx(s):.1f},{sy(r):.1f}" for s, r in zip(tl.steps[idx], tl.reserved[idx]))
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="#24292f" stroke-dasharray="4 2"><title>reserved by the '
-                     f'caching allocator</title></polyline>')
-    parts += _axes(n, ymax, sx, sy)
-    px, py = sx(tl.peak_step), sy(tl.peak_bytes)
-    parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="#cf222e" stroke-width="1.2"/>'
-                 f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="#cf222e"/>'
-                 f'<text x="{min(px + 4, W - 120):.1f}" y="{TOP - 5}" fill="#cf222e" font-weight="600">'
-                 f'peak {esc(fmt_bytes(tl.peak_bytes))}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _phase_rects(tl: MemoryTimeline, sx: Any) -> tuple[list[str], list[str]]:
-    out, ticks, last_iter, last_px = [], [], 0, -1.0
-    for p in tl.phases[:3000]:
-        x0, x1 = sx(p.start - 1), sx(p.end)
-        if p.iteration != last_iter and p.iteration > 1:
-            ticks.append(f'<line x1="{x0:.1f}" x2="{x0:.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="#57606a" '
-                       f'stroke-dasharray="2 3"><title>iteration {p.iteration}</title></line>')
-        last_iter = p.iteration
-        if x1 - x0 < 0.3 and x0 - last_px < 0.3:
-            continue  # sub-pixel runs merge visually; skipping keeps the SVG small
-        last_px = x1
-        out.append(f'<rect x="{x0:.1f}" y="{TOP}" width="{max(x1 - x0, 0.3):.1f}" height="{H - TOP - BOTTOM}" '
-                   f'fill="{PHASE_COLORS.get(p.phase, "#eee")}"><title>{esc(p.phase)} (iteration {p.iteration})</title></rect>')
-    return out, ticks
-
-
-def _stack_polygons(by_cat: np.ndarray, steps: np.ndarray, sx: Any, sy: Any) -> list[str]:
-    out = []
-    upper = np.cumsum(by_cat, axis=1)
-    xs = [f"{sx(s):.1f}" for s in steps]
-    for c, name in enumerate(CATEGORIES):
-        if not by_cat[:, c].any():
-            continue
-        lower = upper[:, c - 1] if c else np.zeros(len(steps))
-        top = " ".join(f"{x},{sy(v):.1f}" for x, v in zip(xs, upper[:, c]))
-        bottom = " ".join(f"{x},{sy(v):.1f}" for x, v in zip(reversed(xs), lower[::-1]))
-        out.append(f'<polygon points="{top} {bottom}" fill="{COLORS[name]}" fill-opacity="0.85">'
-                   f'<title>{esc(CATEGORY_LABELS[name])}</title></polygon>')
-    return out
-
-
-def _axes(n: int, ymax: float, sx: Any, sy: Any) -> list[str]:
-    out = [f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" stroke="#57606a"/>',
-           f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{H - BOTTOM}" stroke="#57606a"/>']
-    for b in nice_ticks(ymax / 1.08):
-        out.append(f'<line x1="{LEFT - 3}" x2="{LEFT}" y1="{sy(b):.1f}" y2="{sy(b):.1f}" stroke="#57606a"/>'
-                   f'<text x="{LEFT - 5}" y="{sy(b) + 3:.1f}" text-anchor="end" fill="#57606a">'
-                   f'{esc(fmt_bytes(b).replace(".0 ", " "))}</text>')
-    for k in range(5):
-        s = round((n - 1) * k / 4)
-        out.append(f'<text x="{sx(s):.1f}" y="{H - BOTTOM + 12}" text-anchor="middle" fill="#57606a">{s}</text>')
-    mid = (TOP + H - BOTTOM) / 2
-    out.append(f'<text x="11" y="{mid:.0f}" text-anchor="middle" fill="#57606a" transform="rotate(-90 11 {mid:.0f})">'
-               f'memory allocated</text>'
-               f'<text x="{(LEFT + W - RIGHT) / 2:.0f}" y="{H - 4}" text-anchor="middle" fill="#57606a">'
-               f'allocation/free events, in order (dashed lines: iteration starts)</text>')
-    return out
-
-
-def legend_html(timeline: bool = True, reserved: bool = False) -> str:
-    """Category swatches; for a timeline also the phase shading, iteration/peak marks and the reserved line."""
-    cats = "".join(f'<span><span class="swatch" style="background:{COLORS[c]}"></span>{esc(CATEGORY_LABELS[c])}</span>'
-                   for c in CATEGORIES)
-    if not timeline:
-        return f'<div class="legend muted">{cats}</div>'
-    phases = "".join(f'<span><span class="swatch" style="background:{col}"></span>{p} (shading)</span>'
-                     for p, col in PHASE_COLORS.items())
-    marks = ('<span>┆ iteration start</span><span><span style="color:#cf222e">│</span> peak</span>'
-             + ('<span>╌ reserved (allocator cache)</span>' if reserved else ""))
-    return f'<div class="legend muted">{cats}<br>{phases}{marks}</div>'
+    shown = [c for i, c in enumerate(CATEGORIES) if tl.by_category[:, i].any()]
+    for phase, colour in PHASE_COLORS.items():  # one collection per phase: thousands of runs stay cheap
+        runs = [(p.start - 1, p.end - p.start + 1) for p in tl.phases if p.phase == phase]
+        if runs:
+            ax.broken_barh(runs, (0, ymax), facecolors=colour, label=f"{phase} (shading)")
+    ax.stackplot(tl.steps[idx], *(tl.by_category[idx, CATEGORIES.index(c)] for c in shown),
+                          colors=[COLORS[c] for c in shown], alpha=0.85, labels=[CATEGORY_LABELS[c] for c in shown])
+    starts = [p.start - 1 for k, p in enumerate(tl.phases) if k and p.iteration != tl.phases[k - 1].iteration]
+    if starts:
+        ax.vlines(starts, 0, ymax, colors="#57606a", linestyles=(0, (2, 3)), linewidth=0.8, label="iteration start")
+    if reserved:
+        ax.plot(tl.steps[idx], tl.reserved[idx], color="#24292f", linestyle=(0, (4, 2)), linewidth=1,
+                label="reserved (allocator cache)")
+    ax.axvline(tl.peak_step, color="#cf222e", linewidth=1.2)
+    ax.plot([tl.peak_step], [tl.peak_bytes], "o", color="#cf222e", markersize=4, label="peak")
+    ax.annotate(f"peak {fmt_bytes(tl.peak_bytes)}", (tl.peak_step, ymax), xytext=(4, 2), textcoords="offset points",
+                color="#cf222e", fontweight="bold", ha="left" if tl.peak_step < 0.8 * n else "right", va="bottom")
+    ax.set_xlim(0, max(n - 1, 1))
+    ax.set_ylim(0, ymax)
+    ticks = nice_ticks(ymax / 1.08)
+    ax.set_yticks(ticks, [fmt_bytes(b).replace(".0 ", " ") for b in ticks])
+    ax.set_xlabel("allocation/free events, in order")
+    ax.set_ylabel("memory allocated")
+    ax.spines[["top", "right"]].set_visible(False)
+    found = dict(zip(*reversed(ax.get_legend_handles_labels())))  # label -> handle
+    first = [CATEGORY_LABELS[c] for c in shown]  # categories first, then phases and marks
+    labels = first + [label for label in found if label not in first]
+    fig.legend([found[label] for label in labels], labels, loc="lower center", ncol=5, fontsize=7.5, handlelength=1.4, columnspacing=1.0)
 
 
 def _alloc_rows(allocs: Sequence[Allocation]) -> str:
-    rows = "".join(f"<tr><td class='num'>{esc(fmt_bytes(a.nbytes))}</td><td class='mono nowrap'>{esc(_shape(a))}</td>"
-                   f"<td class='nowrap'>{_swatch(a.category)}{esc(CATEGORY_LABELS[a.category])}</td>"
-                   f"<td class='mono'>{esc(a.holder or '')}</td><td class='mono'>{esc(a.module or '')}</td>"
-                   f"<td class='mono src' title='{esc(_where(a))}'>{esc(_where(a))}</td></tr>" for a in allocs)
-    if not rows:
-        return '<div class="muted">no allocation was alive at the peak</div>'
-    return ("<table><tr><th class='num'>size</th><th>tensor</th><th>category</th><th>held by</th><th>module</th>"
-            f"<th>allocated at</th></tr>{rows}</table>")
+    if not allocs:
+        return f"<p>{muted('no allocation was alive at the peak')}</p>"
+    rows = [(esc(fmt_bytes(a.nbytes)), f"<code>{esc(_shape(a))}</code>", _category(a.category),
+             f"<code>{esc(a.holder)}</code>" if a.holder else "", f"<code>{esc(a.module)}</code>" if a.module else "",
+             f"<code>{esc(_where(a))}</code>" if _where(a) else "") for a in allocs]
+    return table(["size", "tensor", "category", "held by", "module", "allocated at"], rows, numeric=[0])
 
 
-def _swatch(category: str) -> str:
-    return f'<span class="swatch" style="background:{COLORS[category]}"></span>'
+def _category(category: str) -> str:
+    return swatch(COLORS[category]) + esc(CATEGORY_LABELS[category])
 
 
 def _leak_card(leak: Any) -> str:
-    graph = " — <span class='bad'>autograd graph attached</span>" if leak.has_graph else ""
-    return (f'<div class="card"><b>Leak:</b> <b class="mono">{esc(leak.holder)}</b> holds {leak.count:,} tensor(s), '
-            f'{esc(fmt_bytes(leak.nbytes))}{graph}<div class="muted mono">{esc(", ".join(leak.names))}</div>'
-            + (f"<div class='mono src'>allocated at {esc(where(leak.line))}</div>" if leak.line else "")
-            + (f"<div>{esc(leak.note)}</div>" if leak.note else "") + "</div>")
+    graph = f" — {bad('autograd graph attached')}" if leak.has_graph else ""
+    return (f'<blockquote class="tnd-leak">{bad("Leak:")} <b><code>{esc(leak.holder)}</code></b> holds '
+            f'{leak.count:,} tensor(s), {esc(fmt_bytes(leak.nbytes))}{graph}<br>{muted(esc(", ".join(leak.names)))}'
+            + (f"<br>allocated at <code>{esc(where(leak.line))}</code>" if leak.line else "")
+            + (f"<br>{esc(leak.note)}" if leak.note else "") + "</blockquote>")
 
 
 def timeline_html(tl: MemoryTimeline) -> str:
     head = esc(timeline_text(tl).splitlines()[0])
-    note = f'<div class="warn">{esc(tl.note)}</div>' if tl.note else ""
-    totals = "".join(f"<tr><td class='nowrap'>{_swatch(c)}{esc(CATEGORY_LABELS[c])}</td>" + "".join(
-        f"<td class='num'>{esc(fmt_bytes(tl.category_totals.get(c, {}).get(k, 0)))}</td>" for k in ("start", "peak", "max", "final"))
-        + "</tr>" for c in CATEGORIES)
+    note = f"<p>{bad('Note:')} {esc(tl.note)}</p>" if tl.note else ""
+    totals = [[_category(c)] + [esc(fmt_bytes(tl.category_totals.get(c, {}).get(k, 0)))
+                                for k in ("start", "peak", "max", "final")] for c in CATEGORIES]
     leaks = "".join(_leak_card(leak) for leak in tl.leaks)
-    reserved = tl.reserved is not None and len(tl.reserved) > 0
-    return (f'{stylesheet()}<div class="tnd tnd-memory-static"><h3>{head}</h3>{note}{leaks}'
-            f'<div style="overflow-x:auto">{timeline_svg(tl)}</div>{legend_html(reserved=reserved)}'
-            f"<h3>Memory by category</h3><table><tr><th>category</th><th class='num'>start</th><th class='num'>at peak</th>"
-            f"<th class='num'>max</th><th class='num'>end</th></tr>{totals}</table>"
+    return (f'<div class="tnd tnd-memory-static"><h3>{head}</h3>{note}{leaks}<div>{timeline_figure(tl)}</div>'
+            f"<h3>Memory by category</h3>{table(['category', 'start', 'at peak', 'max', 'end'], totals, numeric=[1, 2, 3, 4])}"
             f'<h3>Largest allocations alive at the peak</h3>{_alloc_rows(tl.peak_allocations)}</div>')
 
 
+def state_alt(st: MemoryState) -> str:
+    parts = ", ".join(f"{CATEGORY_LABELS[c]} {fmt_bytes(v)}" for c, v in st.by_category.items() if v)
+    return f"memory now by category, {fmt_bytes(st.live_bytes)} in all: {parts or 'nothing live'}"
+
+
+def _draw_state(fig: Any, st: MemoryState) -> None:
+    ax = fig.add_axes((0.01, 0.45, 0.98, 0.5))
+    total, left = max(st.live_bytes, 1), 0.0
+    for c, v in st.by_category.items():
+        if v:
+            ax.barh(0, v / total, left=left, color=COLORS[c], edgecolor="white", linewidth=0.5,
+                    label=f"{CATEGORY_LABELS[c]} {fmt_bytes(v)}")
+            left += v / total
+    ax.set_xlim(0, 1)
+    ax.set_axis_off()
+    fig.legend(loc="lower center", ncol=3, fontsize=7.5, handlelength=1.2, columnspacing=1.0)
+
+
 def state_html(st: MemoryState) -> str:
+    from torch_nbdebug.render.figures import picture
+
     total = max(st.live_bytes, 1)
-    bar = "".join(f'<div title="{esc(CATEGORY_LABELS[c])}: {esc(fmt_bytes(v))}" style="width:{100 * v / total:.2f}%;'
-                  f'background:{COLORS[c]}"></div>' for c, v in st.by_category.items() if v)
-    shares = "".join(f"<tr><td class='nowrap'>{_swatch(c)}{esc(CATEGORY_LABELS[c])}</td><td class='num'>{esc(fmt_bytes(v))}</td>"
-                     f"<td class='num'>{100 * v / total:.1f}%</td></tr>" for c, v in st.by_category.items() if v)
-    rows = "".join(f"<tr><td class='num'>{esc(fmt_bytes(t.nbytes))}</td><td class='mono nowrap'>{esc(_shape(t))}</td>"
-                   f"<td class='nowrap'>{_swatch(t.category)}{esc(CATEGORY_LABELS[t.category])}</td><td class='mono'>{esc(t.name)}</td>"
-                   f"<td>{'<span class=bad>yes</span>' if t.has_graph else ''}</td></tr>" for t in st.top)
-    note = f'<div class="warn">{esc(st.note)}</div>' if st.note else ""
-    table = (f"<h3>Largest live tensors</h3><table><tr><th class='num'>size</th><th>tensor</th><th>category</th>"
-             f"<th>held by</th><th>autograd graph</th></tr>{rows}</table>" if rows else
-             '<div class="muted">no live tensors found</div>')
-    return (f'{stylesheet()}<div class="tnd tnd-memory-static"><h3>{esc(state_text(st).splitlines()[0])}</h3>{note}'
-            f'<div style="display:flex;height:16px;max-width:600px;border:1px solid #d0d7de;margin:4px 0">{bar}</div>'
-            f"<table><tr><th>category</th><th class='num'>size</th><th class='num'>share</th></tr>{shares}</table>"
-            f"{table}</div>")
+    shares = [(_category(c), esc(fmt_bytes(v)), f"{100 * v / total:.1f}%") for c, v in st.by_category.items() if v]
+    rows = [(esc(fmt_bytes(t.nbytes)), f"<code>{esc(_shape(t))}</code>", _category(t.category), f"<code>{esc(t.name)}</code>",
+             bad("yes") if t.has_graph else "") for t in st.top]
+    note = f"<p>{bad('Note:')} {esc(st.note)}</p>" if st.note else ""
+    top = (f"<h3>Largest live tensors</h3>{table(['size', 'tensor', 'category', 'held by', 'autograd graph'], rows, numeric=[0])}"
+           if rows else f"<p>{muted('no live tensors found')}</p>")
+    bar = picture(lambda fig: _draw_state(fig, st), 600, 70, state_alt(st), "tnd-figure tnd-memory-bar") if shares else ""
+    return (f'<div class="tnd tnd-memory-static"><h3>{esc(state_text(st).splitlines()[0])}</h3>{note}<div>{bar}</div>'
+            f"{table(['category', 'size', 'share'], shares, numeric=[1, 2])}{top}</div>")
 
 
 # -- widgets -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import traitlets
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
-from torch_nbdebug.render.html import esc, stylesheet
+from torch_nbdebug.render.html import AMBER, GREEN, bad, esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
 
 _PHASE_LABEL = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "input": "input data"}
@@ -68,9 +68,9 @@ def short(e: NanEvent) -> str:
 # -- static HTML ---------------------------------------------------------------------------------
 def report_html(s: NanSummary, finished: bool = True) -> str:
     if not finished:
-        return (f'<div class="tnd">{stylesheet()}<div class="card info">nanwatch: still running '
-                f'<span class="muted">(the report fills in when the watched code ends)</span></div></div>')
-    parts = [f'<div class="tnd tnd-nanwatch">{stylesheet()}', card_html(s.first, s)]
+        return (f'<div class="tnd"><p><b>nanwatch: still running</b> '
+                f'{muted("(the report fills in when the watched code ends)")}</p></div>')
+    parts = ['<div class="tnd tnd-nanwatch">', card_html(s.first, s)]
     if s.first is not None and s.cell_source:
         parts.append(source_html(s))
     if s.layers:
@@ -79,7 +79,7 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
         parts.append(events_html(s.events, "All births"))
     if s.absorbed:
         parts.append(events_html(s.absorbed, ABSORBED_TITLE))
-    parts += [f'<div class="muted">note: {esc(n)}</div>' for n in s.notes]
+    parts += [f"<p>{muted('note: ' + esc(n))}</p>" for n in s.notes]
     parts.append("</div>")
     return "".join(parts)
 
@@ -88,23 +88,24 @@ def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     if e is None:
         doubt = clean_doubt(s)
         if doubt:  # never a green "all clear" the data does not support
-            return (f'<div class="card caution"><b class="warn">nanwatch: no NaN/Inf birth recorded</b> '
-                    f'<span class="muted">({s.ops_checked:,} ops checked, mode {esc(s.mode)})</span>'
-                    f'<div>{esc(doubt)}</div></div>')
-        return (f'<div class="card ok"><b class="good">✓ nanwatch: no NaN/Inf born</b> '
-                f'<span class="muted">— every value stayed finite ({s.ops_checked:,} ops checked, '
-                f'mode {esc(s.mode)})</span></div>')
+            return (f'<blockquote class="card caution"><b class="warn" style="color:{AMBER}">⚠ nanwatch: no NaN/Inf birth recorded</b> '
+                    f'{muted(f"({s.ops_checked:,} ops checked, mode {esc(s.mode)})")}<br>{esc(doubt)}</blockquote>')
+        return (f'<blockquote class="card ok"><b class="good" style="color:{GREEN}">✓ nanwatch: no NaN/Inf born</b> '
+                f'{muted(f"— every value stayed finite ({s.ops_checked:,} ops checked, mode {esc(s.mode)})")}'
+                f'</blockquote>')
     rows = [("Where", _where(e)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
     if e.phase == "backward" and e.forward_op:
         rows.insert(1, ("Forward", f"created by <code>{esc(e.forward_op)}</code>"
                         + (f" in <code>{esc(e.forward_module)}</code>" if e.forward_module else "")
                         + (f" at line {e.forward_lineno}" if e.forward_lineno else "")))
-    stats = "".join(f"<div class='mono'>input {i}: {esc(st.brief())}</div>" for i, st in enumerate(e.inputs))
+    stats = [f"<code>input {i}: {esc(st.brief())}</code>" for i, st in enumerate(e.inputs)]
     if e.output is not None:
-        stats += f"<div class='mono'>output: {esc(e.output.brief())}</div>"
-    body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
-    return (f'<div class="card nw-card"><b class="bad nw-title">{esc(e.title())}</b>'
-            f"<table>{body}<tr><th>Stats</th><td>{stats}</td></tr></table></div>")
+        stats.append(f"<code>output: {esc(e.output.brief())}</code>")
+    rows.append(("Stats", "<br>".join(stats)))
+    body = "".join(f'<tr><th scope="row" style="text-align:left">{k}</th><td style="text-align:left">{v}</td></tr>'
+                   for k, v in rows)
+    return (f'<div class="card nw-card"><h3 class="nw-title">{bad(esc(e.title()))}</h3>'
+            f"<table>{body}</table></div>")
 
 
 ABSORBED_TITLE = "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler"
@@ -139,24 +140,29 @@ def _what(e: NanEvent) -> str:
     if e.aten_op and e.aten_op != e.op:
         text += f" (<code>{esc(e.aten_op)}</code>)"
     if e.detail:
-        text += f" <span class='muted'>{esc(e.detail)}</span>"
+        text += f" {muted(esc(e.detail))}"
     return text
 
 
 def source_html(s: NanSummary) -> str:
-    """The cell around the birth line; lines far from it are folded into a "… N lines" marker."""
+    """The cell around the birth line; lines far from it are folded into a "… N lines" marker.
+
+    Real line breaks (not CSS blocks) separate the lines, and the birth line is marked with ▶ and
+    bold, so the listing reads the same with no stylesheet."""
     target = s.first.lineno if s.first is not None else None
     lines = s.cell_source.splitlines()
     first = s.source_first_line
     lo, hi = source_window(len(lines), first, target)
-    out = [f'<span class="gap">… {lo} line{"" if lo == 1 else "s"} above</span>'] if lo else []
+    out = [f'<i class="gap">… {lo} line{"" if lo == 1 else "s"} above</i>'] if lo else []
     for i, text in enumerate(lines[lo:hi], start=first + lo):
-        cls = "line hl" if i == target else "line"
-        out.append(f'<span class="{cls}"><span class="muted">{i:>3}</span>  {esc(text)}</span>')
+        if i == target:
+            out.append(f'<b class="line hl" style="background:rgba(255,200,0,0.25)">▶{i:>3}  {esc(text)}</b>')
+        else:
+            out.append(f'<span class="line"> {i:>3}  {esc(text)}</span>')
     if hi < len(lines):
         rest = len(lines) - hi
-        out.append(f'<span class="gap">… {rest} line{"" if rest == 1 else "s"} below</span>')
-    return f'<pre class="cell nw-source">{"".join(out)}</pre>'
+        out.append(f'<i class="gap">… {rest} line{"" if rest == 1 else "s"} below</i>')
+    return f'<pre class="cell nw-source">{chr(10).join(out)}</pre>'
 
 
 def source_window(count: int, first: int, target: Optional[int]) -> tuple[int, int]:
@@ -175,32 +181,34 @@ def _fmt(v: Optional[float]) -> str:
 
 def _cell(finite: Optional[bool], *values: Optional[float]) -> str:
     if finite is None:
-        return "<td class='muted num'>—</td>" * 3
+        return "<td style='text-align:right'>—</td>" * 3
     if not finite:
-        return "<td class='bad' colspan='3'>NaN/Inf</td>"
-    return "".join(f"<td class='num'>{_fmt(v)}</td>" for v in values)
+        return f"<td colspan='3' style='text-align:center'>{bad('NaN/Inf')}</td>"
+    return "".join(f"<td style='text-align:right'>{_fmt(v)}</td>" for v in values)
 
 
 def layers_html(layers: tuple[LayerStats, ...]) -> str:
-    head = ("<tr><th rowspan='2'>module</th><th rowspan='2' class='num'>calls</th><th colspan='3'>activation (output)</th>"
-            "<th colspan='3'>gradient (w.r.t. output)</th></tr><tr>" + "<th class='num'>min</th><th class='num'>max</th>"
-            "<th class='num'>mean</th>" * 2 + "</tr>")
+    right = "style='text-align:right'"
+    head = (f"<thead><tr><th rowspan='2' style='text-align:left'>module</th><th rowspan='2' {right}>calls</th>"
+            "<th colspan='3'>activation (output)</th><th colspan='3'>gradient (w.r.t. output)</th></tr><tr>"
+            + f"<th {right}>min</th><th {right}>max</th><th {right}>mean</th>" * 2 + "</tr></thead>")
     rows = []
     for layer in layers:
+        name = f"<code>{esc(layer.module)}</code>" + (f" {bad('◀ birth')}" if layer.birth else "")
         mark = ' class="mark"' if layer.birth else ""
-        rows.append(f"<tr{mark}><td class='mono nowrap'>{esc(layer.module)}{' ◀ birth' if layer.birth else ''}</td>"
-                    f"<td class='num'>{layer.calls}</td>{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
+        rows.append(f"<tr{mark}><td style='text-align:left'>{name}</td><td {right}>{layer.calls}</td>"
+                    f"{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
                     f"{_cell(layer.grad_finite, layer.grad_min, layer.grad_max, layer.grad_mean)}</tr>")
-    return f"<h3>Per-layer activations and gradients</h3><table class='nw-layers'>{head}{''.join(rows)}</table>"
+    return (f"<h3>Per-layer activations and gradients</h3><table class='nw-layers'>{head}<tbody>{''.join(rows)}"
+            "</tbody></table>")
 
 
 def events_html(events: tuple[NanEvent, ...], title: str) -> str:
-    head = ("<tr><th class='num'>#</th><th>phase</th><th class='num'>iteration</th><th>kind</th><th>op</th>"
-            "<th>module / parameter</th><th class='num'>line</th></tr>")
-    rows = [f"<tr><td class='num'>{i + 1}</td><td>{esc(_PHASE_LABEL.get(e.phase, e.phase))}</td><td class='num'>{e.iteration}</td><td class='bad'>{esc(_KIND_LABEL.get(e.kind, e.kind))}</td>"
-            f"<td class='mono'>{esc(e.op)}</td><td class='mono'>{esc(e.module or e.param or '')}</td>"
-            f"<td class='num'>{'' if e.lineno is None else e.lineno}</td></tr>" for i, e in enumerate(events)]
-    return f"<h3>{esc(title)}</h3><table class='nw-events'>{head}{''.join(rows)}</table>"
+    rows = [(str(i + 1), esc(_PHASE_LABEL.get(e.phase, e.phase)), str(e.iteration), bad(esc(_KIND_LABEL.get(e.kind, e.kind))),
+             f"<code>{esc(e.op)}</code>", f"<code>{esc(e.module or e.param)}</code>" if e.module or e.param else "",
+             "" if e.lineno is None else str(e.lineno)) for i, e in enumerate(events)]
+    head = ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
+    return f"<h3>{esc(title)}</h3>{table(head, rows, numeric=[0, 2, 6], cls='nw-events')}"
 
 
 # -- widget --------------------------------------------------------------------------------------

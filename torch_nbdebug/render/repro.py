@@ -102,7 +102,7 @@ def report_html(summary: ReproSummary, finished: bool = True) -> str:
     cause = esc(summary.cause or "")
     parts = [f'<div class="tnd-repro" data-cause="{cause}" style="border-left:4px solid {border};padding:6px 10px;'
              f'font-family:sans-serif;font-size:13px;line-height:1.4">',
-             f'<div style="font-weight:700;color:{border};margin-bottom:4px">{esc(headline(summary, finished))}</div>']
+             f'<div style="color:{border};margin-bottom:4px"><b>{esc(headline(summary, finished))}</b></div>']
     rows: list[str] = _first_rows(summary.first) if summary.first is not None else []
     if summary.hint:
         rows.append(_row("fix", esc(summary.hint)))

@@ -66,8 +66,9 @@ function operandsTable(d) {
       o.requires_grad ? h("span", { class: "muted", title: "requires grad" }, " (grad)") : ""),
     h("td", { class: "mono nowrap" }, shapeText(o.shape)), h("td", { class: "mono" }, o.dtype),
     h("td", { class: "mono" }, o.device), h("td", { class: "mono" }, o.producer || "—")));
-  return h("table", { class: "xp-operands tnd-explain-operands", "aria-label": "operands of the failing op" },
-    h("thead", {}, head), h("tbody", {}, rows));
+  // Shapes and producers can be long: the table scrolls in its own box, the card keeps its width.
+  return h("div", { class: "scroll" }, h("table", { class: "xp-operands tnd-explain-operands", "aria-label": "operands of the failing op" },
+    h("thead", {}, head), h("tbody", {}, rows)));
 }
 
 function details(d, id) {

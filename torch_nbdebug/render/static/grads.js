@@ -1,6 +1,9 @@
 // Gradient stepper: flow plot + layers×steps heatmap overview, per-layer detail with histograms.
 // Plain ES module (no bundler, no CDN). Numbers arrive as float32 bytes; `layer`, `step` and
 // `log_scale` are synced both ways so Python can drive the view and read where the user is.
+// Keyboard: the view is one Tab stop whose arrow keys move layer (←/→) and step (↓/↑); each flow
+// bar is a Tab stop too (Enter/Space selects it). Text and axis colours come from base.css (the
+// theme); the canvas heatmap keeps its own colour scale, drawn on the theme's background.
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -25,6 +28,25 @@ function fmt(v, approx) {
 function fmtCount(v, approx) {
   if (v === null || v === undefined || !Number.isFinite(v)) return "—";
   return (approx ? "≈" : "") + Math.round(v).toLocaleString("en-US");
+}
+
+// Histogram axis labels: the range's ends, and "0" under the zero line when it falls inside and clears
+// both ends by a gap (else the dashed line alone marks it). Widths are estimated, so the SVG needs no
+// layout pass: a digit of 10-px sans-serif is at most ~6.2 px wide. Ends too long to fit side by side
+// are shortened to 3 significant digits. -> [x, text, text-anchor] for each label drawn.
+const HIST_FONT = 10, CHAR_W = 6.2, GAP = 6;
+function endLabels(loText, hiText, zeroX, W) {
+  const width = (t) => t.length * CHAR_W;
+  if (width(loText) + width(hiText) + GAP > W) {
+    const short = (t) => { const v = Number(t.replace("≈", "")); return Number.isFinite(v) ? v.toPrecision(3) : t; };
+    loText = short(loText); hiText = short(hiText);
+  }
+  const out = [[0, loText, "start"], [W, hiText, "end"]];
+  if (zeroX !== null) {
+    const half = width("0") / 2;
+    if (zeroX - half >= width(loText) + GAP && zeroX + half <= W - width(hiText) - GAP) out.push([zeroX, "0", "middle"]);
+  }
+  return out;
 }
 
 function h(tag, attrs, ...kids) {
@@ -58,17 +80,19 @@ function render({ model, el }) {
   const flowAt = (st, l, k) => flow[(st * nL + l) * 4 + k];
   const flagsAt = (st) => meta.flags.filter((f) => f[2] === st);
 
-  const root = h("div", { class: "tnd tnd-grads", tabindex: "0", style: "outline:none" });
+  const root = h("div", { class: "tnd tnd-grads", tabindex: "0", role: "group",
+    "aria-label": "gradient stepper: ← → change the layer, ↑ ↓ the step" });
   const title = h("h3", {});
-  const flowBox = h("div", { class: "tnd-flow-box", style: "overflow-x:auto" });
+  const flowBox = h("div", { class: "tnd-flow-box scroll" });
   const heatBox = h("div", { class: "tnd-heat-box" });
-  const prevL = h("button", { class: "tnd-prev", title: "previous layer (←)" }, "◀");
-  const nextL = h("button", { class: "tnd-next", title: "next layer (→)" }, "▶");
-  const sliderL = h("input", { type: "range", min: "0", max: String(Math.max(nL - 1, 0)), class: "tnd-layer-slider" });
+  const button = (cls, label, text) => h("button", { type: "button", class: cls, title: label, "aria-label": label }, text);
+  const prevL = button("tnd-prev", "previous layer (←)", "◀");
+  const nextL = button("tnd-next", "next layer (→)", "▶");
+  const sliderL = h("input", { type: "range", min: "0", max: String(Math.max(nL - 1, 0)), class: "tnd-layer-slider", "aria-label": "layer" });
   const layerLabel = h("span", { class: "tnd-layer-name mono" });
-  const prevS = h("button", { class: "tnd-prev-step", title: "previous step (↓)" }, "◀");
-  const nextS = h("button", { class: "tnd-next-step", title: "next step (↑)" }, "▶");
-  const sliderS = h("input", { type: "range", min: "0", max: String(Math.max(nS - 1, 0)), class: "tnd-step-slider" });
+  const prevS = button("tnd-prev-step", "previous step (↓)", "◀");
+  const nextS = button("tnd-next-step", "next step (↑)", "▶");
+  const sliderS = h("input", { type: "range", min: "0", max: String(Math.max(nS - 1, 0)), class: "tnd-step-slider", "aria-label": "step" });
   const stepLabel = h("span", { class: "tnd-step-name" });
   const logBox = h("input", { type: "checkbox", class: "tnd-log" });
   const detail = h("div", { class: "tnd-detail card info" });
@@ -93,10 +117,11 @@ function render({ model, el }) {
     const y = (v) => (v > 0 && isFinite(v)) ? H - (Math.log10(v) - lo) / (hi - lo) * H + 6 : H + 6;
     const svg = s("svg", { width: Math.max(left + nL * w + 10, 260), height: H + 44, class: "tnd-flow plot", "font-family": "sans-serif" });
     const label = (x, y, text, extra) => { const t = s("text", { x, y, "font-size": 10, "text-anchor": "middle", fill: "#57606a", ...extra }); t.textContent = text; svg.append(t); };
+    const focused = flowBox.contains(document.activeElement) ? document.activeElement.getAttribute("data-layer") : null;
     label(11, H / 2 + 6, "|gradient| (log scale)", { transform: `rotate(-90 11 ${H / 2 + 6})` });
     label(left + nL * w / 2, H + 40, "layer # (click one)");
     for (let e = lo; e <= hi; e++) {
-      svg.append(s("line", { x1: left, x2: left + nL * w, y1: y(10 ** e), y2: y(10 ** e), stroke: "#eaeef2" }));
+      svg.append(s("line", { x1: left, x2: left + nL * w, y1: y(10 ** e), y2: y(10 ** e), stroke: "#eaeef2", class: "grid" }));
       const t = s("text", { x: left - 4, y: y(10 ** e) + 4, "font-size": 10, "text-anchor": "end", fill: "#57606a" });
       t.textContent = "1e" + e; svg.append(t);
     }
@@ -105,18 +130,20 @@ function render({ model, el }) {
     for (let l = 0; l < nL; l++) {
       const x = left + l * w;
       const colour = flagged[l] ? meta.colours[flagged[l][0]] : "#1f6feb";
-      const g = s("g", { class: "tnd-flow-layer", "data-layer": l, style: "cursor:pointer" });
-      g.append(s("rect", { x, y: 0, width: w, height: H + 32, fill: l === cur ? "#fff3bf" : "transparent" }));
+      const g = s("g", { class: "tnd-flow-layer", "data-layer": l, style: "cursor:pointer", tabindex: "0", role: "button",
+        "aria-label": `layer ${l}: ${meta.layers[l].name}`, "aria-pressed": l === cur ? "true" : "false",
+        "data-lm-suppress-shortcuts": "true" });
+      g.append(s("rect", { x, y: 0, width: w, height: H + 32, fill: l === cur ? "#fff3bf" : "transparent", class: l === cur ? "col current" : "col" }));
       if (!(isFinite(flowAt(st, l, 1)) && isFinite(flowAt(st, l, 2)))) {  // nothing to draw: say why, in red
         g.append(s("rect", { x: x + 2, y: 6, width: w - 4, height: H, fill: "#cf222e", opacity: 0.12 }));
-        const t = s("text", { x: x + w / 2, y: H / 2 + 6, "font-size": 9, "text-anchor": "middle", fill: "#cf222e", transform: `rotate(-90 ${x + w / 2} ${H / 2 + 6})` });
+        const t = s("text", { x: x + w / 2, y: H / 2 + 6, "font-size": 9, "text-anchor": "middle", fill: "#cf222e", class: "bad", transform: `rotate(-90 ${x + w / 2} ${H / 2 + 6})` });
         t.textContent = "NaN/Inf"; g.append(t);
       }
       if (nL <= 40 || l % Math.max(1, Math.floor(nL / 20)) === 0) {
         const n = s("text", { x: x + w / 2, y: H + 18, "font-size": 9, "text-anchor": "middle", fill: "#57606a" }); n.textContent = String(l); g.append(n);
       }
       if (flagged[l]) {
-        const m = s("text", { x: x + w / 2, y: H + 29, "font-size": 10, "font-weight": "bold", "text-anchor": "middle", fill: colour }); m.textContent = "!"; g.append(m);
+        const m = s("text", { x: x + w / 2, y: H + 29, "font-size": 10, "font-weight": "bold", "text-anchor": "middle", fill: colour, style: `fill:${colour}` }); m.textContent = "!"; g.append(m);
       }
       [[flowAt(st, l, 2), 0.35], [flowAt(st, l, 1), 1]].forEach(([v, op]) => {
         if (v > 0 && isFinite(v)) g.append(s("rect", { x: x + 2, y: y(v), width: w - 4, height: H + 6 - y(v), fill: colour, "fill-opacity": op }));
@@ -126,15 +153,25 @@ function render({ model, el }) {
         (flagged[l] ? `; ${flagged[l][0]}: ${flagged[l][3]}` : "");
       g.append(tip);
       g.addEventListener("click", () => setLayer(l));
+      g.addEventListener("keydown", (e) => {
+        if (e.key !== "Enter" && e.key !== " ") return;
+        e.preventDefault(); e.stopPropagation(); // Space would scroll, Enter would edit the cell
+        setLayer(l);
+      });
       svg.append(g);
     }
     flowBox.replaceChildren(h("div", {}, h("b", {}, "gradient flow "), h("span", { class: "muted" }, "per layer at this step: dark bar = mean |g|, light bar = max |g|, log scale; ! = flagged; click a layer")), svg);
+    if (focused !== null) {  // the bars were redrawn: keyboard users keep their place
+      const again = svg.querySelector(`g.tnd-flow-layer[data-layer="${focused}"]`);
+      if (again) again.focus();
+    }
   }
 
   function drawHeat(st, cur) {
     if (nS < 2) return;
     const cw = Math.max(2, Math.min(40, Math.floor(640 / nS))), ch = Math.max(4, Math.min(20, Math.floor(240 / nL)));
-    const canvas = h("canvas", { width: nS * cw, height: nL * ch, class: "tnd-heatmap", style: "border:1px solid #d0d7de;cursor:pointer" });
+    const canvas = h("canvas", { width: nS * cw, height: nL * ch, class: "tnd-heatmap", style: "display:block;border:1px solid var(--tnd-border);cursor:pointer",
+      role: "img", "aria-label": "gradient norm per layer and step; the arrow keys move the selected cell" });
     const ctx = canvas.getContext("2d");
     let lo = Infinity, hi = -Infinity;
     for (let t = 0; t < nS; t++) for (let l = 0; l < nL; l++) { const v = flowAt(t, l, 0); if (v > 0 && isFinite(v)) { lo = Math.min(lo, Math.log10(v)); hi = Math.max(hi, Math.log10(v)); } }
@@ -164,7 +201,8 @@ function render({ model, el }) {
       h("span", { class: "mono" }, fmt(10 ** hi)), " (log)  ", h("span", { class: "swatch", style: "background:#cf222e" }), "NaN/Inf  ",
       h("span", { class: "swatch", style: "background:#fff" }), "no gradient") : "";
     heatBox.replaceChildren(h("div", { style: "margin-top:8px" }, h("b", {}, "gradient norm, layers × steps "),
-      h("span", { class: "muted" }, `(rows = layers, #0 at the top; columns = steps ${meta.steps[0]}…${meta.steps[nS - 1]}, left to right); click a cell`)), canvas, scale);
+      h("span", { class: "muted" }, `(rows = layers, #0 at the top; columns = steps ${meta.steps[0]}…${meta.steps[nS - 1]}, left to right); click a cell`)),
+      h("div", { class: "scroll" }, canvas), scale);
   }
 
   function histSvg(row, p, log) {
@@ -174,14 +212,17 @@ function render({ model, el }) {
     const svg = s("svg", { width: W, height: H + 14, class: "tnd-hist plot", "data-param": meta.params[p].name, "font-family": "sans-serif" });
     counts.forEach((c, i) => { if (c > 0) svg.append(s("rect", { x: i * bw, y: H - c / top * H, width: Math.max(bw - 0.5, 0.5), height: c / top * H, fill: "#1f6feb" })); });
     const lo = range[(row * nP + p) * 2], hi = range[(row * nP + p) * 2 + 1];
-    svg.append(s("line", { x1: 0, x2: W, y1: H, y2: H, stroke: "#8c959f" }));
-    const a = s("text", { x: 0, y: H + 12, "font-size": 10, fill: "#57606a" }); a.textContent = fmt(lo);
-    const b = s("text", { x: W, y: H + 12, "font-size": 10, "text-anchor": "end", fill: "#57606a" }); b.textContent = fmt(hi);
-    svg.append(a, b);
+    svg.append(s("line", { x1: 0, x2: W, y1: H, y2: H, stroke: "#8c959f", class: "axis" }));
+    const labels = endLabels(fmt(lo), fmt(hi), lo < 0 && hi > 0 ? -lo / (hi - lo) * W : null, W);
+    for (const [x, text, anchor] of labels) {
+      const t = s("text", { x, y: H + 12, "font-size": HIST_FONT, "text-anchor": anchor, fill: "#57606a" });
+      t.textContent = text; svg.append(t);
+    }
     if (lo < 0 && hi > 0) {  // where zero falls: a gradient centred off zero is worth seeing
       const zx = -lo / (hi - lo) * W;
-      svg.append(s("line", { x1: zx, x2: zx, y1: 0, y2: H, stroke: "#57606a", "stroke-dasharray": "2 2" }));
-      const z = s("text", { x: zx, y: H + 12, "font-size": 10, "text-anchor": "middle", fill: "#57606a" }); z.textContent = "0"; svg.append(z);
+      const zero = s("line", { x1: zx, x2: zx, y1: 0, y2: H, stroke: "#57606a", "stroke-dasharray": "2 2", class: "axis" });
+      zero.append(Object.assign(s("title", {}), { textContent: "0" }));
+      svg.append(zero);
     }
     return svg;
   }
@@ -202,7 +243,7 @@ function render({ model, el }) {
            ["‖w‖", fmt(v("param_norm"))], ["‖Δw‖/‖w‖", fmt(v("update_ratio"), !ex)]]
         : [["gradient", info.requires_grad ? "none" : "frozen (requires_grad=False)"], ["‖w‖", fmt(v("param_norm"))]];
       const table = h("table", { class: "tnd-stats" }, h("tr", {}, ...cells.map(([k]) => h("th", { class: "num" }, k))), h("tr", {}, ...cells.map(([, x]) => h("td", { class: "num" }, x))));
-      const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), table);
+      const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), h("div", { class: "scroll" }, table));
       if (row >= 0 && !Number.isNaN(range[(row * nP + p) * 2])) block.append(histSvg(row, p, log));
       else block.append(h("div", { class: "muted" }, "no histogram kept for this step"));
       kids.push(block);
@@ -221,7 +262,12 @@ function render({ model, el }) {
     sliderL.value = String(l); sliderS.value = String(st); logBox.checked = log;
     layerLabel.textContent = `${l + 1}/${nL} ${meta.layers[l].name}`;
     stepLabel.textContent = `step ${meta.steps[st]} (${st + 1}/${nS})`;
-    prevL.disabled = l === 0; nextL.disabled = l === nL - 1; prevS.disabled = st === 0; nextS.disabled = st === nS - 1;
+    // A focused button that becomes disabled (▶ at the last layer) drops the focus to <body>, where the
+    // arrow keys no longer reach the view: hand the focus to the view itself first.
+    for (const [b, off] of [[prevL, l === 0], [nextL, l === nL - 1], [prevS, st === 0], [nextS, st === nS - 1]]) {
+      if (off && document.activeElement === b) root.focus();
+      b.disabled = off;
+    }
     if (!nS) { detail.replaceChildren("nothing recorded"); return; }
     drawFlow(st, l); drawHeat(st, l); drawDetail(st, l, log);
   }

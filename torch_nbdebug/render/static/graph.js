@@ -1,6 +1,40 @@
 // %graph explorer view. The kernel lays out and draws the SVG; this module pans and zooms it,
-// forwards clicks (open/close a group, select a node), runs the search box and exports the view.
-// Plain ES module: no bundler, no CDN, no framework.
+// forwards clicks and keys (open/close a group, select a node), runs the search box and exports the
+// view. It opens at a readable zoom with the output in view, and paints the SVG with JupyterLab's
+// theme variables (light and dark). Plain ES module: no bundler, no CDN, no framework.
+
+// Labels are 11 px in the SVG: below this zoom they would be drawn smaller than 10 px.
+const READABLE = 10 / 11;
+
+// The SVG carries light colours as presentation attributes (for a page with no CSS); here they follow
+// the theme. Box fills are the kind's colour mixed into the theme's panel colour: pale on light,
+// deep on dark, with the theme's text on top.
+const THEME = `
+.tnd-graph-widget { --g-bg: var(--tnd-bg, var(--jp-layout-color0, #fff)); --g-panel: var(--tnd-panel, var(--jp-layout-color1, #fff));
+  --g-fg: var(--tnd-fg, var(--jp-ui-font-color1, #1f2328)); --g-muted: var(--tnd-muted, var(--jp-ui-font-color2, #57606a));
+  --g-line: var(--jp-ui-font-color3, #8c959f); --g-border: var(--tnd-border, var(--jp-border-color1, #d0d7de));
+  --g-focus: var(--tnd-focus, var(--jp-brand-color1, #0969da)); }
+.tnd-graph-widget .tnd-graph-port { background: var(--g-bg); border: 1px solid var(--g-border); }
+.tnd-graph-widget .tnd-graph-results { background: var(--g-panel); color: var(--g-fg); border: 1px solid var(--g-border); }
+.tnd-graph-widget .tnd-graph-match:focus, .tnd-graph-widget .tnd-graph-match:hover { background: rgba(127, 127, 127, 0.18); }
+.tnd-graph-widget svg text { fill: var(--g-fg); }
+.tnd-graph-widget svg g[data-id] > text ~ text { fill: var(--g-muted); }
+.tnd-graph-widget svg g.cluster > rect { fill: var(--g-panel); stroke: var(--g-line); }
+.tnd-graph-widget svg g.cluster text.title { fill: var(--g-muted); }
+.tnd-graph-widget svg g.cluster text.title tspan { fill: var(--g-line); }
+.tnd-graph-widget svg path.edge { stroke: var(--g-line); }
+.tnd-graph-widget svg marker path { fill: var(--g-muted); }
+.tnd-graph-widget svg g.node.op > rect { fill: color-mix(in srgb, #8c959f 18%, var(--g-panel)); stroke: #8c959f; }
+.tnd-graph-widget svg g.node.param > rect { fill: color-mix(in srgb, #218bff 24%, var(--g-panel)); stroke: #218bff; }
+.tnd-graph-widget svg g.node.input > rect { fill: color-mix(in srgb, #2da44e 24%, var(--g-panel)); stroke: #2da44e; }
+.tnd-graph-widget svg g.node.output > rect { fill: color-mix(in srgb, #1a7f37 45%, var(--g-panel)); stroke: #1a7f37; }
+.tnd-graph-widget svg g.group > rect { fill: color-mix(in srgb, #d4a72c 20%, var(--g-panel)); stroke: #bf8700; }
+.tnd-graph-widget svg g.group[data-id^="c:"] > rect { fill: color-mix(in srgb, #8250df 14%, var(--g-panel)); stroke: #8250df; }
+.tnd-graph-widget svg g.nan > rect { fill: color-mix(in srgb, #cf222e 22%, var(--g-panel)); stroke: #cf222e; }
+.tnd-graph-widget svg g[tabindex] { outline: none; }
+.tnd-graph-widget svg g[tabindex]:focus-visible > rect:last-of-type { stroke: var(--g-focus); stroke-width: 3px; }
+.tnd-graph-widget svg g.cluster[tabindex]:focus-visible > rect { stroke-dasharray: none; }
+`;
 
 function h(tag, attrs = {}, ...children) {
   const el = document.createElement(tag);
@@ -45,7 +79,7 @@ function detailRows(d) {
   } else {
     add("kind", d.kind); add("op", d.op); add("output", d.shape);
     add("outputs", d.outputs && d.outputs.length > 1 ? d.outputs : ""); add("module", d.module);
-    add("inputs", d.inputs); add("used by", d.users); add("saved", d.saved); add("gradient", d.grad);
+    add("also named", d.aliases); add("inputs", d.inputs); add("used by", d.users); add("saved", d.saved); add("gradient", d.grad);
     add("sequence nr", d.seq); if (d.nan) add("NaN/Inf", "first birth here (last %%nanwatch)");
   }
   return rows;
@@ -54,51 +88,92 @@ function detailRows(d) {
 export default {
   render({ model, el }) {
     let scale = 1, tx = 0, ty = 0, drag = null, moved = false;
-    const status = h("span", { class: "muted tnd-graph-status" });
+    const status = h("span", { class: "muted tnd-graph-status", role: "status", "aria-live": "polite" });
     const search = h("input", { type: "search", placeholder: "find node or parameter…", class: "tnd-graph-search",
-                                style: "width:220px" });
-    const results = h("div", { class: "tnd-graph-results", style: "position:absolute;z-index:5;" +
-                               "background:var(--jp-layout-color1, #fff);color:var(--jp-ui-font-color1, #1f2328);" +
-                               "border:1px solid #d0d7de;max-height:240px;overflow:auto;display:none" });
+                                style: "width:220px", "aria-label": "Find a node, parameter or module" });
+    const results = h("div", { class: "tnd-graph-results", role: "listbox", "aria-label": "matches",
+                               style: "position:absolute;z-index:5;max-height:240px;overflow:auto;display:none" });
     const stage = h("div", { class: "tnd-graph-stage", style: "transform-origin:0 0" });
     const port = h("div", { class: "tnd-graph-port", style: "position:relative;overflow:hidden;height:560px;" +
-                            "border:1px solid #d0d7de;border-radius:6px;cursor:grab;background:#fff" }, stage);
+                            "border-radius:6px;cursor:grab" }, stage);
     const panel = h("div", { class: "tnd-graph-details", style: "min-width:240px;max-width:360px;max-height:560px;" +
                              "overflow:auto;padding:0 8px" });
-    const button = (label, fn) => h("button", { onclick: fn }, label);
+    const button = (label, aria, fn) => h("button", { type: "button", "aria-label": aria, title: aria, onclick: fn }, label);
     const apply = () => { stage.style.transform = `translate(${tx}px,${ty}px) scale(${scale})`; };
-    const fit = () => {
-      const svg = stage.querySelector("svg"); if (!svg) return;
-      const w = +svg.getAttribute("width"), hh = +svg.getAttribute("height");
+    const extent = () => {
+      const svg = stage.querySelector("svg");
+      return svg ? [+svg.getAttribute("width"), +svg.getAttribute("height")] : null;
+    };
+    const fit = () => { // the whole view, however small that makes it
+      const size = extent(); if (!size) return;
+      const [w, hh] = size;
       scale = Math.min(1, port.clientWidth / w, port.clientHeight / hh) || 1;
       tx = Math.max(0, (port.clientWidth - w * scale) / 2); ty = 4; apply();
+    };
+    // The first view: whole if it fits at a readable zoom; else at that zoom, with the output in view
+    // (the end of the flow, where the user's tensor is), centred on it across.
+    const opening = () => {
+      const size = extent(); if (!size) return;
+      const [w, hh] = size, pw = port.clientWidth, ph = port.clientHeight;
+      scale = Math.max(READABLE, Math.min(1, pw / w, ph / hh));
+      tx = Math.max(0, (pw - w * scale) / 2); ty = 4; apply();
+      const out = stage.querySelector("g.node.output");
+      if (!out) return;
+      const r = out.getBoundingClientRect(), p = port.getBoundingClientRect();
+      if (r.right > p.right - 8 || r.left < p.left + 8) {
+        tx += p.left + pw / 2 - (r.left + r.width / 2);
+        tx = Math.min(8, Math.max(pw - w * scale - 8, tx));
+      }
+      if (r.bottom > p.bottom - 8) ty -= r.bottom - (p.bottom - 16);
+      apply();
     };
     const toolbar = h("div", { class: "tnd-graph-toolbar", style: "display:flex;gap:6px;align-items:center;" +
                                "margin:4px 0;position:relative;flex-wrap:wrap" },
       search, results,
-      button("fit", fit), button("+", () => { scale *= 1.25; apply(); }), button("−", () => { scale /= 1.25; apply(); }),
-      button("SVG", () => download("graph.svg", new Blob([model.get("svg")], { type: "image/svg+xml" }))),
-      button("PNG", () => svgPng(model.get("svg"), (b) => download("graph.png", b))),
-      button("DOT", () => model.send({ type: "dot" })), status);
+      button("fit", "Fit the whole graph in view", fit),
+      button("+", "Zoom in", () => { scale *= 1.25; apply(); }),
+      button("−", "Zoom out", () => { scale /= 1.25; apply(); }),
+      button("SVG", "Download this view as SVG",
+             () => download("graph.svg", new Blob([model.get("svg")], { type: "image/svg+xml" }))),
+      button("PNG", "Download this view as PNG", () => svgPng(model.get("svg"), (b) => download("graph.png", b))),
+      button("DOT", "Download this view as Graphviz DOT", () => model.send({ type: "dot" })), status);
     const legend = h("div", { class: "legend muted tnd-graph-legend" });
     for (const [fill, stroke, label] of [["#dafbe1", "#2da44e", "input"], ["#cfe8fc", "#218bff", "parameter"],
       ["#eef0f3", "#8c959f", "op"], ["#a6e3a1", "#1a7f37", "output"], ["#fff8e1", "#bf8700", "module (click to open)"],
       ["#f6f0ff", "#8250df", "chunk of ops"], ["#ffebe9", "#cf222e", "first NaN/Inf"]]) {
       legend.append(h("span", {}, h("span", { class: "swatch", style: `background:${fill};border-color:${stroke}` }), label));
     }
-    legend.append(h("span", {}, "drag to pan · wheel to zoom · click a node for details"));
-    const root = h("div", { class: "tnd tnd-graph-widget" },
-      h("div", { class: "muted tnd-graph-summary" }), toolbar, legend,
+    legend.append(h("span", {}, "drag to pan · wheel to zoom · click a node for details · Tab, Enter and Space work too"));
+    // data-lm-suppress-shortcuts: Enter/Space inside the view act on it, not on the notebook around it.
+    const root = h("div", { class: "tnd tnd-graph-widget", "data-lm-suppress-shortcuts": "true" },
+      h("style", {}, THEME), h("div", { class: "muted tnd-graph-summary" }), toolbar, legend,
       h("div", { style: "display:flex;gap:8px;align-items:flex-start" }, h("div", { style: "flex:1;min-width:0" }, port), panel));
     el.append(root);
 
     const draw = () => {
+      const active = document.activeElement;
+      const focused = active && stage.contains(active) && active.dataset ? active.dataset.id : null;
       stage.innerHTML = model.get("svg");
       const sel = model.get("selected");
       root.querySelector(".tnd-graph-summary").textContent =
         [model.get("summary"), ...model.get("notes")].join(" · ");
       status.textContent = "";
+      for (const g of stage.querySelectorAll("g[data-id]")) focusable(g);
       if (sel) for (const g of stage.querySelectorAll("[data-id]")) if (g.dataset.id === sel) { g.classList.add("selected"); reveal(g); }
+      if (focused) { // the item acted on keeps the focus across the redraw (an opened group: its frame)
+        const again = [...stage.querySelectorAll("g[data-id]")].find((g) => g.dataset.id === focused);
+        if (again) { again.focus({ preventScroll: true }); if (again.matches(":focus-visible")) reveal(again); }
+      }
+    };
+    // Every node and module box is a button for the keyboard: Tab reaches it, Enter/Space acts.
+    const focusable = (g) => {
+      const open = g.classList.contains("cluster"), group = open || g.classList.contains("group");
+      const title = g.querySelector("title"), text = g.querySelector("text");
+      const name = (title && title.textContent) || (text && text.textContent) || g.dataset.id;
+      g.setAttribute("tabindex", "0");
+      g.setAttribute("role", "button");
+      g.setAttribute("aria-label", group ? `${open ? "close" : "open"} ${name}` : `details of ${name}`);
+      if (group) g.setAttribute("aria-expanded", open ? "true" : "false");
     };
     // Bring a selected item into view (after a search opened the groups around it).
     const reveal = (g) => {
@@ -116,9 +191,11 @@ export default {
     };
     const showMatches = () => {
       const found = model.get("matches");
+      const pick = (m) => { results.style.display = "none"; status.textContent = "…"; model.send({ type: "reveal", id: m.id }); };
       results.replaceChildren(...found.map((m) => h("div", {
-        class: "tnd-graph-match", style: "padding:2px 8px;cursor:pointer", "data-id": m.id,
-        onclick: () => { results.style.display = "none"; status.textContent = "…"; model.send({ type: "reveal", id: m.id }); },
+        class: "tnd-graph-match", style: "padding:2px 8px;cursor:pointer", "data-id": m.id, tabindex: "0", role: "option",
+        onclick: () => pick(m),
+        onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); pick(m); } },
       }, `${m.label}  `, h("span", { class: "muted" }, m.where))));
       results.style.top = `${search.offsetTop + search.offsetHeight}px`;
       results.style.left = `${search.offsetLeft}px`;
@@ -146,14 +223,26 @@ export default {
     const end = () => { drag = null; };
     port.addEventListener("pointerup", end);
     port.addEventListener("pointerleave", end);
-    port.addEventListener("click", (e) => {
-      if (moved) return;
-      const target = e.target.closest("[data-id]");
-      if (!target) return;
+    const act = (target) => {
       const id = target.dataset.id;
       status.textContent = "…";
       if (target.classList.contains("group") || target.classList.contains("cluster")) model.send({ type: "toggle", id });
       else model.send({ type: "select", id });
+    };
+    port.addEventListener("click", (e) => {
+      if (moved) return;
+      const target = e.target.closest("[data-id]");
+      if (target) act(target);
+    });
+    port.addEventListener("keydown", (e) => {
+      const target = e.target.closest && e.target.closest("g[data-id]");
+      if (!target || (e.key !== "Enter" && e.key !== " ")) return;
+      e.preventDefault(); e.stopPropagation();
+      act(target);
+    });
+    port.addEventListener("focusin", (e) => { // a box reached with Tab is brought into the view
+      const target = e.target.closest && e.target.closest("g[data-id]");
+      if (target && target.matches(":focus-visible")) reveal(target);
     });
     const onMsg = (msg) => {
       if (msg && msg.type === "dot") download("graph.dot", new Blob([msg.text], { type: "text/vnd.graphviz" }));
@@ -163,7 +252,13 @@ export default {
     model.on("change:selected", draw);
     model.on("change:details", showDetails);
     model.on("change:matches", showMatches);
-    draw(); showDetails(); requestAnimationFrame(fit);
+    draw(); showDetails();
+    let tries = 0;
+    const open = () => { // once the output area has laid the view out (it may be hidden at first)
+      if (!port.clientWidth && tries++ < 600) { requestAnimationFrame(open); return; }
+      opening();
+    };
+    requestAnimationFrame(open);
     return () => {
       model.off("msg:custom", onMsg); model.off("change:svg", draw); model.off("change:selected", draw);
       model.off("change:details", showDetails); model.off("change:matches", showMatches);

@@ -1,5 +1,8 @@
 // torch_nbdebug memory views (plain ES module: no bundler, no CDN).
 // Timeline: the kernel holds the full series; we set `x_range` and draw the decimated `view` it sends.
+// Colours of text, axes and grid come from base.css (JupyterLab's theme); the chart shrinks to the
+// output's width (viewBox), wide tables scroll in their own box, and a row's details show on
+// keyboard focus as they do on hover.
 const NS = "http://www.w3.org/2000/svg";
 const W = 760, H = 270, L = 78, R = 12, T = 18, B = 32;
 
@@ -42,11 +45,11 @@ function where(l) {  // notebook cells are compiled from temporary files whose n
 function lineOf(a) { return a.line ? where(a.line) : ""; }
 
 function allocTable(parent, allocs, labels, cats, colors, detail) {
-  const table = html("table", {}, parent);
+  const table = html("table", { class: "allocs" }, html("div", { class: "scroll" }, parent));
   const head = html("tr", {}, table);
   for (const h of ["size", "tensor", "category", "held by", "module", "allocated at"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
   for (const a of allocs) {
-    const tr = html("tr", { class: "alloc" }, table);
+    const tr = html("tr", { class: "alloc", tabindex: "0" }, table);
     html("td", { class: "num" }, tr, fmtBytes(a.nbytes));
     html("td", { class: "mono nowrap" }, tr, shape(a));
     const cat = html("td", { class: "nowrap" }, tr);
@@ -55,13 +58,17 @@ function allocTable(parent, allocs, labels, cats, colors, detail) {
     html("td", { class: "mono" }, tr, a.holder || "");
     html("td", { class: "mono" }, tr, a.module || "");
     html("td", { class: "mono src", title: lineOf(a) }, tr, lineOf(a));
-    tr.addEventListener("mouseenter", () => {
+    const show = () => {
       tr.classList.add("hl");
       detail.textContent = `${fmtBytes(a.nbytes)} ${shape(a)} · ${a.category} · op ${a.op || "-"} · phase ${a.phase}` +
         ` · module ${a.module || "-"} · alive events ${a.start}–${a.end === null ? "end" : a.end}` +
         (a.line ? ` · ${lineOf(a)}` : "");
-    });
-    tr.addEventListener("mouseleave", () => tr.classList.remove("hl"));
+    };
+    const hide = () => { if (document.activeElement !== tr) tr.classList.remove("hl"); };
+    tr.addEventListener("mouseenter", show);
+    tr.addEventListener("focus", show);
+    tr.addEventListener("mouseleave", hide);
+    tr.addEventListener("blur", () => tr.classList.remove("hl"));
   }
 }
 
@@ -72,29 +79,31 @@ function renderTimeline(model, el) {
   if (meta.note) html("div", { class: "warn" }, root, meta.note);
   const bar = html("div", { class: "toolbar" }, root);
   const buttons = {};
-  for (const [name, label] of [["out", "− zoom out"], ["in", "+ zoom in"], ["left", "◀"], ["right", "▶"],
-                               ["peak", "peak"], ["reset", "reset"]]) {
-    buttons[name] = html("button", { "data-action": name }, bar, label);
+  for (const [name, label, what] of [["out", "− zoom out", "zoom out"], ["in", "+ zoom in", "zoom in"],
+                                     ["left", "◀", "move the range left"], ["right", "▶", "move the range right"],
+                                     ["peak", "peak", "zoom to the peak"], ["reset", "reset", "show all events"]]) {
+    buttons[name] = html("button", { type: "button", "data-action": name, "aria-label": what, title: what }, bar, label);
   }
   const rangeLabel = html("span", { class: "range muted" }, bar);
-  const chart = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-size": 10,
-                             "font-family": "sans-serif", class: "chart plot" }, root);
+  const chart = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-size": 10, role: "img",
+                             "aria-label": "memory allocated over allocation/free events",
+                             "font-family": "sans-serif", class: "chart plot fluid" }, root);
   const tip = html("div", { class: "mono tip" }, root, " ");
   tip.style.minHeight = "1.4em";
   const legend = html("div", { class: "legend muted" }, root);
-  const key = (colour, label) => {
+  const key = (colour, label, kind) => {
     const s = html("span", {}, legend);
-    html("span", { class: "swatch", style: `background:${colour}` }, s);
+    html("span", { class: kind ? `swatch ${kind}` : "swatch", style: `background:${colour}` }, s);
     s.appendChild(document.createTextNode(label));
   };
   meta.labels.forEach((label, i) => key(meta.colors[i], label));
   html("br", {}, legend);
-  for (const [p, c] of Object.entries(meta.phase_colors)) key(c, `${p} (shading)`);
+  for (const [p, c] of Object.entries(meta.phase_colors)) key(c, `${p} (shading)`, "phase");
   html("span", {}, legend, "┆ iteration start");
-  html("span", { style: "color:#cf222e" }, legend, "│ peak");
+  html("span", { class: "bad" }, legend, "│ peak");
   html("span", {}, legend, "drag across the chart to zoom");
   html("h3", {}, root, "Largest allocations alive at the highest point of the visible range");
-  const detail = html("div", { class: "mono muted detail" }, root, "hover a row for details");
+  const detail = html("div", { class: "mono muted detail", "aria-live": "polite" }, root, "hover or focus a row for details");
   const tableBox = html("div", {}, root);
   const leakBox = html("div", {}, root);
   for (const leak of meta.leaks) {
@@ -147,7 +156,7 @@ function renderTimeline(model, el) {
       if (lastIter !== null && p.iteration !== lastIter && x0 > L) ticks.push([x0, p.iteration]);  // new iteration
       lastIter = p.iteration;
       if (x1 <= x0) continue;
-      const r = svg("rect", { x: x0, y: T, width: Math.max(x1 - x0, 0.5), height: H - T - B, fill: meta.phase_colors[p.phase] || "#eee" }, chart);
+      const r = svg("rect", { x: x0, y: T, width: Math.max(x1 - x0, 0.5), height: H - T - B, fill: meta.phase_colors[p.phase] || "#eee", class: "phase" }, chart);
       svg("title", {}, r).textContent = `${p.phase} (iteration ${p.iteration})`;
     }
     const upper = v.steps.map(() => 0);
@@ -160,33 +169,33 @@ function renderTimeline(model, el) {
       svg("polygon", { points: pts.join(" "), fill: meta.colors[c], "fill-opacity": 0.85, "data-category": meta.categories[c] }, chart);
     });
     for (const [x, it] of ticks) {
-      const tick = svg("line", { x1: x, x2: x, y1: T, y2: H - B, stroke: "#57606a", "stroke-dasharray": "2 3", class: "iteration" }, chart);
+      const tick = svg("line", { x1: x, x2: x, y1: T, y2: H - B, stroke: "#57606a", "stroke-dasharray": "2 3", class: "iteration axis" }, chart);
       svg("title", {}, tick).textContent = `iteration ${it}`;
     }
     if (v.reserved) {
       svg("polyline", { points: v.steps.map((s, k) => `${sx(s).toFixed(1)},${sy(v.reserved[k]).toFixed(1)}`).join(" "),
-                        fill: "none", stroke: "#24292f", "stroke-dasharray": "4 2" }, chart);
+                        fill: "none", stroke: "#24292f", "stroke-dasharray": "4 2", class: "fg-line" }, chart);
     }
-    svg("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, stroke: "#57606a" }, chart);
-    svg("line", { x1: L, x2: L, y1: T, y2: H - B, stroke: "#57606a" }, chart);
+    svg("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, stroke: "#57606a", class: "axis" }, chart);
+    svg("line", { x1: L, x2: L, y1: T, y2: H - B, stroke: "#57606a", class: "axis" }, chart);
     for (const b of niceTicks(ymax / 1.08)) {
-      svg("line", { x1: L - 3, x2: L, y1: sy(b), y2: sy(b), stroke: "#57606a" }, chart);
+      svg("line", { x1: L - 3, x2: L, y1: sy(b), y2: sy(b), stroke: "#57606a", class: "axis" }, chart);
       svg("text", { x: L - 5, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = fmtBytes(b).replace(".0 ", " ");
     }
     const mid = (T + H - B) / 2;
     svg("text", { x: 11, y: mid, "text-anchor": "middle", fill: "#57606a", transform: `rotate(-90 11 ${mid})` }, chart).textContent = "memory allocated";
     svg("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", fill: "#57606a" }, chart).textContent =
-      "allocation/free events, in order (dashed lines: iteration starts)" + (v.reserved ? "; dashed black: reserved" : "");
+      "allocation/free events, in order (dashed lines: iteration starts)" + (v.reserved ? "; dashed line on top: reserved" : "");
     for (let k = 0; k <= 4; k++) {
       const s = Math.round(lo + (hi - lo) * k / 4);
       svg("text", { x: sx(s), y: H - B + 12, "text-anchor": "middle", fill: "#57606a", class: "xtick" }, chart).textContent = s;
     }
     if (meta.peak.step >= lo && meta.peak.step <= hi) {
       const px = sx(meta.peak.step);
-      svg("line", { x1: px, x2: px, y1: T, y2: H - B, stroke: "#cf222e" }, chart);
-      svg("text", { x: Math.min(px + 4, W - 120), y: T - 5, fill: "#cf222e", "font-weight": 600 }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
+      svg("line", { x1: px, x2: px, y1: T, y2: H - B, stroke: "#cf222e", class: "red-line" }, chart);
+      svg("text", { x: Math.min(px + 4, W - 120), y: T - 5, fill: "#cf222e", "font-weight": 600, class: "bad" }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
     }
-    svg("line", { class: "cursor", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
+    svg("line", { class: "cursor fg-line", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
     svg("rect", { class: "brush", x: 0, y: T, width: 0, height: H - T - B, fill: "#0969da", "fill-opacity": 0.15 }, chart);
     tableBox.replaceChildren();
     allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, meta.colors, detail);
@@ -240,7 +249,7 @@ function renderState(model, el) {
   html("h3", {}, root, meta.title);
   if (meta.note) html("div", { class: "warn" }, root, meta.note);
   const bar = html("div", {}, root);
-  Object.assign(bar.style, { display: "flex", height: "16px", maxWidth: "600px", border: "1px solid #d0d7de", margin: "4px 0" });
+  Object.assign(bar.style, { display: "flex", height: "16px", maxWidth: "600px", border: "1px solid var(--tnd-border)", margin: "4px 0" });
   const keys = html("div", { class: "legend muted" }, root);
   meta.categories.forEach((c, i) => {
     if (!st.by_category[c]) return;
@@ -248,27 +257,32 @@ function renderState(model, el) {
     html("span", { class: "swatch", style: `background:${meta.colors[i]}` }, s);
     s.appendChild(document.createTextNode(`${meta.labels[i]} ${fmtBytes(st.by_category[c])}`));
   });
-  const tip = html("div", { class: "mono muted" }, root, "hover the bar or a row");
+  const tip = html("div", { class: "mono muted tip", "aria-live": "polite" }, root, "hover or focus the bar or a row");
   const total = Math.max(st.live_bytes, 1);
   meta.categories.forEach((c, i) => {
     const v = st.by_category[c] || 0;
     if (!v) return;
-    const seg = html("div", { "data-category": c }, bar);
+    const text = `${meta.labels[i]}: ${fmtBytes(v)} (${(100 * v / total).toFixed(1)}%)`;
+    const seg = html("div", { "data-category": c, tabindex: "0", "aria-label": text }, bar);
     Object.assign(seg.style, { width: `${(100 * v) / total}%`, background: meta.colors[i] });
-    seg.addEventListener("mouseenter", () => { tip.textContent = `${meta.labels[i]}: ${fmtBytes(v)} (${(100 * v / total).toFixed(1)}%)`; });
+    const show = () => { tip.textContent = text; };
+    seg.addEventListener("mouseenter", show);
+    seg.addEventListener("focus", show);
   });
-  const filter = html("input", { placeholder: "filter by name", type: "search" }, root);
-  const table = html("table", {}, root);
+  const filter = html("input", { placeholder: "filter by name", type: "search", "aria-label": "filter the tensors by name" }, root);
+  const table = html("table", { class: "tensors" }, html("div", { class: "scroll" }, root));
   const fill = () => {
     table.replaceChildren();
     const head = html("tr", {}, table);
     for (const h of ["size", "tensor", "category", "held by", "autograd graph"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
     for (const t of st.top.filter((t) => t.name.includes(filter.value))) {
-      const tr = html("tr", {}, table);
+      const tr = html("tr", { tabindex: "0" }, table);
       html("td", { class: "num" }, tr, fmtBytes(t.nbytes)); html("td", { class: "mono nowrap" }, tr, shape(t));
       html("td", {}, tr, meta.labels[meta.categories.indexOf(t.category)]); html("td", { class: "mono" }, tr, t.name);
       html("td", { class: t.has_graph ? "bad" : "" }, tr, t.has_graph ? "yes" : "");
-      tr.addEventListener("mouseenter", () => { tip.textContent = `${t.name}: ${fmtBytes(t.nbytes)} ${shape(t)} on ${t.device}`; });
+      const show = () => { tip.textContent = `${t.name}: ${fmtBytes(t.nbytes)} ${shape(t)} on ${t.device}`; };
+      tr.addEventListener("mouseenter", show);
+      tr.addEventListener("focus", show);
     }
   };
   filter.addEventListener("input", fill);

@@ -1,5 +1,7 @@
 // nanwatch view: the birth card, the cell with its line highlighted, per-layer statistics with the
-// birth row marked, and every event (click one to show it in the card). Plain ES module, no deps.
+// birth row marked, and every event (click one, or Tab to it and press Enter or Space, to show it in
+// the card). Plain ES module, no deps; colours from base.css (JupyterLab's theme), wide tables scroll
+// in their own box.
 
 const PHASE = { forward: "forward", backward: "backward", optimizer: "optimizer step", input: "input data" };
 const KIND = { nan: "NaN", inf: "Inf" };
@@ -8,6 +10,7 @@ const CONTEXT = 6; // lines shown either side of the birth line (same as the sta
 function h(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined) continue;
     if (k === "class") node.className = v;
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
     else node.setAttribute(k, v);
@@ -119,7 +122,7 @@ function layers(report, e) {
     h("td", { class: "mono nowrap" }, l.module, l.module === target ? " ◀ birth" : ""), h("td", { class: "num" }, String(l.calls)),
     statCells(l.fwd_finite, [l.fwd_min, l.fwd_max, l.fwd_mean]),
     statCells(l.grad_finite, [l.grad_min, l.grad_max, l.grad_mean])));
-  return [h("h3", {}, "Per-layer activations and gradients"), h("table", { class: "nw-layers" }, head, rows)];
+  return [h("h3", {}, "Per-layer activations and gradients"), h("div", { class: "scroll" }, h("table", { class: "nw-layers" }, head, rows))];
 }
 
 function events(report, selected, select) {
@@ -127,12 +130,20 @@ function events(report, selected, select) {
   const numeric = [true, false, true, false, false, false, true];
   const head = h("tr", {}, ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
     .map((c, k) => h("th", { class: numeric[k] ? "num" : "" }, c)));
+  const onKey = (i) => (evt) => {
+    if (evt.key !== "Enter" && evt.key !== " ") return;
+    evt.preventDefault(); // Space would scroll the page
+    evt.stopPropagation(); // Enter would put the notebook cell in edit mode
+    select(i);
+  };
   const rows = report.events.map((e, i) => h("tr", {
-    class: i === selected ? "mark nw-event" : "nw-event", style: "cursor: pointer", title: "show in the card",
-    onclick: () => select(i),
+    class: i === selected ? "mark nw-event" : "nw-event", title: "show in the card", tabindex: "0",
+    "data-index": String(i), "aria-current": i === selected ? "true" : null, "data-lm-suppress-shortcuts": "true",
+    onclick: () => select(i), onkeydown: onKey(i),
   }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
     .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : k === 3 ? "bad" : numeric[k] ? "num" : "" }, String(c)))));
-  return [h("h3", {}, `All births (${report.events.length})`), h("table", { class: "nw-events" }, head, rows)];
+  return [h("h3", {}, `All births (${report.events.length})`),
+    h("div", { class: "scroll" }, h("table", { class: "nw-events", "aria-label": "every NaN/Inf birth; Enter shows one in the card" }, head, rows))];
 }
 
 export default {
@@ -140,6 +151,8 @@ export default {
     const root = h("div", { class: "tnd tnd-nanwatch" });
     el.append(root);
     const draw = () => {
+      // A redraw replaces the rows: the focused one (Enter on it) gets the focus back.
+      const focused = root.contains(document.activeElement) ? document.activeElement.getAttribute("data-index") : null;
       const report = model.get("report") || { events: [], absorbed: [], layers: [], notes: [] };
       const n = report.events.length;
       const selected = Math.min(Math.max(model.get("selected") || 0, 0), Math.max(n - 1, 0));
@@ -150,6 +163,10 @@ export default {
           "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler: ",
           report.absorbed.map((a) => `${a.op} at line ${a.lineno}`).join("; ")) : null,
         ...report.notes.map((t) => h("div", { class: "muted" }, `note: ${t}`))].flat().filter(Boolean));
+      if (focused !== null) {
+        const again = root.querySelector(`tr.nw-event[data-index="${focused}"]`);
+        if (again) again.focus();
+      }
     };
     draw();
     model.on("change:report", draw);

@@ -1,0 +1,176 @@
+"""nanwatch's cost on the GPU's terms, counted on the CPU: host synchronisations of the deferred (CUDA)
+path, and what reading once per step keeps exact.
+
+On CUDA every ``Tensor.item/tolist/numpy/__bool__``, ``.cpu()`` and ``.to("cpu")`` of a device tensor
+blocks the host until the GPU has caught up. The deferred path runs on the CPU too (``defer=True``), so
+counting those calls around a training step, beyond the ones the plain step makes itself, counts the
+synchronisations the watch would add on a GPU.
+"""
+from __future__ import annotations
+
+import collections
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_nbdebug.api.nanwatch import nanwatch
+from torch_nbdebug.record.nanwatch_optim import GRAD_GONE
+
+_READS = ("item", "tolist", "numpy", "__bool__", "cpu", "to")
+
+
+def _bench_models() -> Any:
+    """bench/models.py: the 2-layer GPT the benchmarks time (one definition of "the small model")."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "models.py"
+    spec = importlib.util.spec_from_file_location("_bench_models", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+models = _bench_models()
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter]:
+    """Counts host reads (the calls that synchronise on CUDA) by method name while the test runs."""
+    counts: collections.Counter = collections.Counter()
+
+    def counting(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            target = args[0] if args else kwargs.get("device")
+            if name != "to" or (isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"):
+                counts[name] += 1
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    yield counts
+
+
+def small_gpt_step(loss_module: bool = False) -> tuple[nn.Module, Callable[[], None]]:
+    torch.manual_seed(0)
+    model = models.small_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 512, (2, 33))
+    criterion = nn.CrossEntropyLoss()
+
+    def loss() -> torch.Tensor:
+        logits = model(idx[:, :-1]).flatten(0, 1)
+        return criterion(logits, idx[:, 1:].flatten()) if loss_module else F.cross_entropy(logits, idx[:, 1:].flatten())
+
+    return model, lambda: models.training_step(opt, loss)
+
+
+def plain_reads(step: Callable[[], None], reads: collections.Counter) -> int:
+    step()  # AdamW's state exists from here on, as in the watched steps
+    reads.clear()
+    step()
+    return sum(reads.values())
+
+
+@pytest.mark.parametrize("mode", ["op", "module"])
+@pytest.mark.parametrize("loss_module", [False, True], ids=["functional-loss", "loss-module"])
+def test_deferred_path_reads_the_device_once_per_training_step(mode: str, loss_module: bool,
+                                                               reads: collections.Counter) -> None:
+    model, step = small_gpt_step(loss_module)
+    plain = plain_reads(step, reads)
+    with nanwatch(mode=mode, defer=True, namespace={"model": model}) as report:
+        step()
+        per_step = []
+        for _ in range(3):
+            reads.clear()
+            step()
+            per_step.append(sum(reads.values()) - plain)
+        reads.clear()
+    at_exit = sum(reads.values())
+    assert per_step == [1, 1, 1], f"host reads per training step beyond the plain step's: {per_step}"
+    assert at_exit <= 1  # what the last step queued (its optimizer step) is read once at the end
+    assert report.events == () and report.layers  # a healthy step: nothing born, the table filled
+
+
+def test_evaluation_without_backward_reads_at_the_end_of_each_forward(reads: collections.Counter) -> None:
+    """No backward will follow: each forward is read as it ends, while its activations are alive."""
+    model, _ = small_gpt_step()
+    idx = torch.randint(0, 512, (2, 32))
+    with nanwatch(defer=True, namespace={"model": model}):
+        with torch.no_grad():
+            reads.clear()
+            for _ in range(3):
+                model(idx)
+            in_loop = sum(reads.values())
+    assert in_loop == 3
+
+
+def test_a_loss_after_the_model_is_read_while_its_tensors_are_alive() -> None:
+    """The deferred path reads when the backward starts: a birth in the loss computed after the model
+    names its input with the same exact statistics as the immediate path (the input is freed once the
+    backward has run, which is when the flags used to be read)."""
+    def run(defer: bool) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1))
+        with nanwatch(defer=defer, namespace={"model": model}) as report:
+            # Saturated: some probabilities are exactly 0; no name holds them after this line.
+            (-(model(torch.randn(8, 4) * 1e4).log() * 0.5).sum()).backward()
+        return report
+
+    immediate, deferred = run(False), run(True)
+    assert immediate.first is not None and deferred.first is not None
+    assert deferred.first.op == immediate.first.op == "aten.log.default"
+    assert deferred.first.deferred and not immediate.first.deferred
+    assert deferred.first.inputs == immediate.first.inputs
+    assert deferred.first.inputs[0].min == 0.0 and deferred.first.inputs[0].zeros > 0
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_optimizer_birth_keeps_the_step_as_it_was(defer: bool) -> None:
+    """The deferred path judges a step's norms with the next forward: the learning rate the step used
+    (not the scheduler's next one), its line and iteration are kept from the step itself; its gradient,
+    freed by the next zero_grad, is known as finite."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e38 if s == 2 else 1.0)
+    x = torch.full((8, 4), 2.0)
+    with nanwatch(defer=defer, namespace={"model": model}) as report:
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()  # @step
+            sched.step()
+    first = report.first
+    assert first is not None and (first.phase, first.param, first.iteration) == ("optimizer", "model.weight", 3)
+    assert first.lr == 1e38 and "lr=1e+38" in first.detail and "gradient finite" in first.detail
+    assert first.lineno == _line("# @step")
+    grad = first.inputs[0]
+    assert grad.finite and grad.shape == (1, 4)
+    if defer:
+        assert grad.note == GRAD_GONE and grad.min is None
+    else:
+        assert grad.min == grad.max == 16.0
+
+
+def test_deferred_optimizer_birth_in_the_last_step_has_exact_gradient_statistics() -> None:
+    """The last step's norms are read when the watch ends, while its gradients are still there."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    with nanwatch(defer=True, namespace={"model": model}) as report:
+        model(torch.full((8, 4), 2.0)).sum().backward()
+        opt.step()
+    grad = report.first.inputs[0] if report.first is not None else None
+    assert grad is not None and grad.min == grad.max == 16.0 and grad.note == ""
+    assert report.first.phase == "optimizer" and not report.first.output.finite
+
+
+def _line(marker: str) -> int:
+    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
+        if marker in text and "_line(" not in text:
+            return number
+    raise AssertionError(marker)

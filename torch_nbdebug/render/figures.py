@@ -1,0 +1,84 @@
+"""Static figures as PNG pictures: the one kind of figure every notebook front end shows.
+
+A notebook opened without trusting it (JupyterLab, Notebook 7: any notebook they did not run) goes
+through a sanitizer that strips inline ``<svg>`` and ``<style>`` from ``text/html``, but keeps
+``<img src="data:image/png;base64,...">``. So the static layer of every view draws its figures here,
+with matplotlib, and embeds them as ``<img>`` with an alt text that says what the picture shows.
+
+Use it from a renderer::
+
+    from torch_nbdebug.render.figures import picture
+
+    def draw(fig):                       # a matplotlib Figure of the requested size, white background
+        ax = fig.add_axes((0.1, 0.15, 0.85, 0.8))
+        ax.plot(xs, ys)
+    html = picture(draw, width=640, height=220, alt="loss per step: 3.2 falling to 0.4")
+
+Rules kept here so no renderer has to know them:
+
+- matplotlib is imported lazily (``import torch_nbdebug`` stays cheap) and only through
+  ``matplotlib.figure.Figure`` + the Agg canvas: pyplot is never imported, so the user's current
+  figure, open figures and backend are untouched;
+- a fixed style (:data:`STYLE`) applies inside ``matplotlib.rc_context`` only while drawing: the
+  user's rcParams (a dark style, a big font) neither leak into our figures nor get changed;
+- 100 DPI, sizes given in CSS pixels (the ``<img>`` carries the same ``width``/``height``), a
+  256-colour palette PNG without metadata (same data, same bytes); a figure is tens of KB: callers downsample long
+  series first (``process.memory.decimate`` keeps each bucket's min and max, so peaks survive).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+from torch_nbdebug.render.html import esc
+
+__all__ = ["DPI", "STYLE", "png", "picture", "img_tag", "MUTED", "GRID", "TEXT"]
+
+DPI = 100
+TEXT, MUTED, GRID = "#1f2328", "#57606a", "#d8dee4"
+STYLE: dict[str, Any] = {
+    "font.family": "DejaVu Sans",  # ships with matplotlib: the same glyphs on every machine
+    "font.size": 9.0,
+    "axes.edgecolor": MUTED, "axes.labelcolor": MUTED, "axes.linewidth": 0.8,
+    "axes.titlesize": 10.0, "axes.titleweight": "bold", "axes.titlecolor": TEXT,
+    "xtick.color": MUTED, "ytick.color": MUTED, "xtick.labelsize": 8.0, "ytick.labelsize": 8.0,
+    "text.color": TEXT, "figure.facecolor": "white", "axes.facecolor": "white",
+    "savefig.facecolor": "white", "legend.fontsize": 8.0, "legend.frameon": False,
+    "svg.fonttype": "none", "path.simplify": True, "axes.unicode_minus": False,
+}
+
+
+def png(draw: Callable[[Any], None], width: float, height: float) -> bytes:
+    """Call ``draw(fig)`` on a fresh ``width`` × ``height`` (CSS px) figure; return its PNG bytes."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from PIL import Image  # matplotlib's own dependency
+
+    with matplotlib.rc_context(STYLE), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a degenerate axis is our drawing's business, not the user's output
+        fig = Figure(figsize=(max(round(width), 1) / DPI, max(round(height), 1) / DPI), dpi=DPI)
+        canvas = FigureCanvasAgg(fig)
+        draw(fig)
+        canvas.draw()
+        rgb = np.asarray(canvas.buffer_rgba())[..., :3]
+    # A palette of 256 colours (median cut keeps the flat fills exact): a third of the bytes of RGB.
+    out = io.BytesIO()
+    Image.fromarray(rgb).quantize(256, method=Image.Quantize.MEDIANCUT).save(out, format="png", optimize=True)
+    return out.getvalue()
+
+
+def img_tag(data: bytes, alt: str, width: float, height: float, cls: str = "tnd-figure") -> str:
+    """``<img>`` with the PNG inline: kept by every sanitizer that keeps pictures."""
+    return (f'<img class="{esc(cls)}" src="data:image/png;base64,{base64.b64encode(data).decode("ascii")}" '
+            f'alt="{esc(alt)}" title="{esc(alt)}" width="{round(width)}" height="{round(height)}">')
+
+
+def picture(draw: Callable[[Any], None], width: float, height: float, alt: str, cls: str = "tnd-figure") -> str:
+    """Draw a figure (see :func:`png`) and return it as an ``<img>`` tag with ``alt`` text."""
+    return img_tag(png(draw, width, height), alt, width, height, cls)
