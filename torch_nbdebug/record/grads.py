@@ -181,10 +181,11 @@ class GradRecorder:
     def _backward_end(self) -> None:
         self._bwd_queued = False
         if not self._opt_seen and self.failure is None:
-            try:
-                self._record("backward")
-            except Exception as exc:  # noqa: BLE001 - see _fail
-                self._fail(exc)
+            with deferred_interrupts():  # as in _pre_step
+                try:
+                    self._record("backward")
+                except Exception as exc:  # noqa: BLE001 - see _fail
+                    self._fail(exc)
 
     def _optimizer_covers(self, opt: Any) -> bool:
         if opt not in self._covers:
@@ -192,16 +193,20 @@ class GradRecorder:
         return self._covers[opt]
 
     def _pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        try:
-            self._before_step(opt)
-        except Exception as exc:  # noqa: BLE001 - see _fail
-            self._fail(exc)
+        # A Stop inside is raised when the hook is done: never between a grad-mode switch and its restore.
+        with deferred_interrupts():
+            try:
+                self._before_step(opt)
+            except Exception as exc:  # noqa: BLE001 - see _fail
+                self._fail(exc)
 
     def _post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        try:
-            self._after_step(opt)
-        except Exception as exc:  # noqa: BLE001 - see _fail
-            self._fail(exc)
+        # A Stop inside is raised when the hook is done: never between a grad-mode switch and its restore.
+        with deferred_interrupts():
+            try:
+                self._after_step(opt)
+            except Exception as exc:  # noqa: BLE001 - see _fail
+                self._fail(exc)
 
     def _before_step(self, opt: Any) -> None:
         if self.failure is not None or not self._optimizer_covers(opt):

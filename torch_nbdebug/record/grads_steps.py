@@ -76,27 +76,13 @@ class Layout:
             del self._segments[steps]
 
 
-# Recent sample indices and layouts, so that recording the same model again builds no constants
-# (our own small index tensors: nothing of the user's is kept).
-_INDICES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
-_CACHED = 64
-
-
-def _remember(cache: dict[Any, Any], key: Any, make: Any) -> Any:
-    if key not in cache:
-        if len(cache) >= _CACHED:
-            cache.clear()
-        cache[key] = make()
-    return cache[key]
-
-
 def sample_index(numel: int, k: int, device: torch.device) -> torch.Tensor:
     """``k`` sorted random element indices of a tensor of ``numel`` elements, from a private
     generator seeded by the size: the same elements every time, the user's RNG state untouched."""
+    # Built per recording, never cached at module level: a tool's tensor left alive after it ends would
+    # show in the user's memory views (and hold device memory).
     gen = torch.Generator().manual_seed(0x5EED + numel)
-    return _remember(_INDICES, (numel, k, device),
-                     lambda: torch.randint(0, numel, (k,), generator=gen).sort().values.to(device))
+    return torch.randint(0, numel, (k,), generator=gen).sort().values.to(device)
 
 
 class Sampler:
@@ -118,9 +104,7 @@ class Sampler:
     def layout(self, present: tuple[int, ...], device: torch.device) -> Layout:
         key = (present, device)
         if key not in self._layouts:
-            shape = (present, device, tuple(self.count[list(present)]), tuple(self.numel[list(present)]),
-                     tuple(self.devices[i] for i in present))
-            self._layouts[key] = _remember(_LAYOUTS, shape, lambda: Layout(self, present, device))
+            self._layouts[key] = Layout(self, present, device)
         return self._layouts[key]
 
     def release(self) -> None:
