@@ -148,7 +148,7 @@ def strip_machine_paths(nb: nbformat.NotebookNode, repo: Path = REPO) -> None:
         nb.metadata["widgets"] = nbformat.from_dict(_neutral(dict(nb.metadata["widgets"]), repo))
 
 
-def keep_static_views(nb: nbformat.NotebookNode) -> int:
+def keep_static_views(nb: nbformat.NotebookNode, split: bool = True) -> int:
     """Drop live-widget views that come with a static view; return how many were dropped.
 
     A saved notebook has no kernel behind its widgets. nbconvert (and nbviewer) pick the widget view
@@ -168,7 +168,7 @@ def keep_static_views(nb: nbformat.NotebookNode) -> int:
     # inside text/html; front ends prefer text/html over an image/png in the same output).
     from torch_nbdebug.render.bundle import split_figures
 
-    for cell in nb.cells:
+    for cell in nb.cells if split else ():
         if cell.cell_type == "code":
             cell.outputs = [nbformat.from_dict(part) for out in cell.outputs for part in split_figures(dict(out))]
     return dropped

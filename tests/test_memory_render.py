@@ -123,7 +123,7 @@ def test_magic_errors_and_export(shell: Any, tmp_path: Any) -> None:
         shell.run_line_magic("cudamem", "--device tpu")
     with pytest.raises(UsageError):
         shell.run_line_magic("cudamem", "--bogus")
-    with pytest.raises(UsageError, match="needs a cell"):
+    with pytest.raises(UsageError, match="need a cell"):
         shell.run_line_magic("cudamem", "--export x.pickle")
     path = tmp_path / "snap.pickle"
     shell.run_cell_magic("cudamem", f"--device cpu --export {path}", "y = torch.ones(100)\n")

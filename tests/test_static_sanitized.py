@@ -233,10 +233,10 @@ def test_split_keeps_order_type_and_untouched_outputs() -> None:
     pieces = split_figures(out)
     assert [p["output_type"] for p in pieces] == ["execute_result", "display_data", "display_data"]
     assert pieces[0]["execution_count"] == 7 and pieces[0]["metadata"] == {"k": 1}
-    assert pieces[0]["data"] == {"text/plain": "plain", "text/html": "<div><h3>head</h3><div>"}
+    assert pieces[0]["data"] == {"text/plain": "plain", "text/html": "<div><h3>head</h3><div></div></div>"}
     assert pieces[1]["data"] == {"image/png": png, "text/plain": "a <b> picture"}
     assert pieces[1]["metadata"] == {"image/png": {"width": 30, "height": 20}}
-    assert pieces[2]["data"] == {"text/html": "</div><p>tail</p></div>"}
+    assert pieces[2]["data"] == {"text/html": "<div><div></div><p>tail</p></div>"}
     live = {**out, "data": {**out["data"], WIDGET_MIME: {"model_id": "x"}}}
     assert split_figures(live) == [live]  # a live widget view: not a saved static output
     plain = {"output_type": "stream", "name": "stdout", "text": "hi"}
@@ -260,3 +260,35 @@ def test_figures_leave_the_users_matplotlib_state_alone() -> None:
 
     corner = imread(io.BytesIO(base64.b64decode(b64)), format="png")[0, 0, :3]
     assert corner.min() > 0.95
+
+
+def test_split_pieces_are_well_formed_on_their_own() -> None:
+    """nbconvert pastes outputs one after another: a piece cut inside a <div> must close it (and the
+    next piece reopen it), or the following cells end up nested inside."""
+    from html.parser import HTMLParser
+
+    from torch_nbdebug.render.bundle import split_figures
+    from torch_nbdebug.render.figures import img_tag
+
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
+    html = ('<div class="tnd"><p><b>title</b></p>' + img_tag(png, "a figure", 10, 10) +
+            '<table><tr><td>after</td></tr></table></div>')
+    pieces = [p["data"]["text/html"] for p in split_figures(
+        {"output_type": "display_data", "data": {"text/html": html, "text/plain": "t"}, "metadata": {}})
+        if "text/html" in p["data"]]
+    assert pieces == ['<div class="tnd"><p><b>title</b></p></div>',
+                      '<div class="tnd"><table><tr><td>after</td></tr></table></div>']
+
+    class Depth(HTMLParser):
+        depth = 0
+
+        def handle_starttag(self, tag: str, attrs: object) -> None:
+            self.depth += tag != "img"
+
+        def handle_endtag(self, tag: str) -> None:
+            self.depth -= 1
+
+    for piece in pieces:
+        parser = Depth()
+        parser.feed(piece)
+        assert parser.depth == 0, piece

@@ -86,7 +86,7 @@ def build_notebook(path: Path) -> Path:
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(REPO)}}).execute()
-    _keep_static_views()(nb)
+    _keep_static_views()(nb, split=False)  # one output per view, as a live session saves it
     for cell in nb.cells:  # a kernel-side failure other than the intended one would hide a view
         for out in cell.outputs:
             if out.output_type == "error":

@@ -16,6 +16,7 @@ output into its HTML pieces and its pictures as separate ``image/png`` outputs, 
 from __future__ import annotations
 
 import re
+from html.parser import HTMLParser
 from typing import Any, Callable, Optional
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -83,6 +84,7 @@ def split_figures(output: dict[str, Any]) -> list[dict[str, Any]]:
         pieces.append({"image/png": b64, "text/plain": html_lib.unescape(alt), "_size": (int(width), int(height))})
         at = found.end()
     pieces.append({"text/html": html[at:]})
+    _balance([piece for piece in pieces if "text/html" in piece])
     out: list[dict[str, Any]] = []
     for piece in pieces:
         if "text/html" in piece and not re.sub(r"<[^>]*>|\s", "", piece["text/html"]):
@@ -97,3 +99,40 @@ def split_figures(output: dict[str, Any]) -> list[dict[str, Any]]:
     first["metadata"] = {**output.get("metadata", {}), **first["metadata"]}
     first["data"] = {"text/plain": data.get("text/plain", ""), **first["data"]}
     return out
+
+
+_VOID = frozenset("area base br col embed hr img input link meta param source track wbr".split())
+
+
+class _Tags(HTMLParser):
+    """The elements left open at the end of some HTML (their start tags as written)."""
+
+    def __init__(self, open_tags: list[tuple[str, str]]) -> None:
+        super().__init__(convert_charrefs=False)
+        self.open = list(open_tags)
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag not in _VOID:
+            self.open.append((tag, self.get_starttag_text() or f"<{tag}>"))
+
+    def handle_endtag(self, tag: str) -> None:
+        for k in range(len(self.open) - 1, -1, -1):
+            if self.open[k][0] == tag:
+                del self.open[k:]
+                return
+
+
+def _balance(pieces: list[dict[str, Any]]) -> None:
+    """Make each HTML piece well formed on its own, in place: a viewer that pastes outputs one after
+    the other (nbconvert's HTML) must not nest the next cell inside an element a piece left open. The
+    elements open where a figure was cut are closed before it and reopened after it."""
+    open_tags: list[tuple[str, str]] = []
+    for piece in pieces:
+        html = piece["text/html"]
+        parser = _Tags(open_tags)
+        parser.feed(html)
+        parser.close()
+        prefix = "".join(start for _, start in open_tags)
+        suffix = "".join(f"</{tag}>" for tag, _ in reversed(parser.open))
+        piece["text/html"] = prefix + html + suffix
+        open_tags = parser.open
