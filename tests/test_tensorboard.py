@@ -201,3 +201,31 @@ def test_grads_and_cudamem_magics_write_event_files(tmp_path: Path, monkeypatch:
                     ip.magics_manager.magics[kind].pop(name, None)
         for name in ("net", "opt", "x", "y"):
             ip.user_ns.pop(name, None)
+
+
+def test_nanwatch_magic_writes_the_births_also_when_the_cell_raises(tmp_path: Path) -> None:
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    from torch_nbdebug.magics.nanwatch import MAGICS
+
+    ip = get_ipython()
+    ip.register_magics(MAGICS)
+    before = ip.user_ns.get("torch")
+    ip.user_ns["torch"] = torch
+    try:
+        with capture_output():
+            ip.run_cell_magic("nanwatch", f"-q --tensorboard {tmp_path / 'ok'}", "y = torch.log(torch.tensor([-1.0]))\n")
+            with pytest.raises(ZeroDivisionError):  # the user's exception, unchanged
+                ip.run_cell_magic("nanwatch", f"-q --tensorboard {tmp_path / 'raised'}",
+                                  "y = torch.log(torch.tensor([-1.0]))\n1 / 0\n")
+        for run in ("ok", "raised"):
+            events = read(tmp_path / run)
+            assert "log" in text(events, "nanwatch/births") and scalars(events, "nanwatch/births") == [(0, 1.0)]
+    finally:
+        for kind, names in MAGICS.magics.items():
+            for name in names:
+                ip.magics_manager.magics[kind].pop(name, None)
+        ip.user_ns.pop("y", None)
+        if before is None:
+            ip.user_ns.pop("torch", None)

@@ -10,7 +10,7 @@ from IPython.display import display
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.magics._common import (CellBody, keep_report, live_view, parse_args, require_body, run_body,
-                                          show_last, usage_errors)
+                                          show_last, tensorboard_dir, usage_errors, write_tensorboard)
 from torch_nbdebug.magics._live import NanwatchProgress
 
 
@@ -26,6 +26,8 @@ class NanwatchMagics(Magics):
     @argument("--raise", dest="raise_on_birth", action="store_true",
               help="stop at the first birth with NanBirthError pointing at your line (the report is still shown)")
     @argument("--max-events", type=int, default=50, help="keep at most this many births (default 50)")
+    @argument("--tensorboard", default=None, metavar="DIR",
+              help="also write the births as TensorBoard event files to DIR (text and a count)")
     @argument("-o", dest="return_report", action="store_true",
               help="return the report object (it is also stored as _nanwatch)")
     @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _nanwatch)")
@@ -47,6 +49,7 @@ class NanwatchMagics(Magics):
             return self._show_last(args)
         # syntax, an empty cell and a top-level await are checked before anything is watched
         body = CellBody(self.shell, require_body(cell, "nanwatch"), "nanwatch")
+        logdir = tensorboard_dir(args.tensorboard, "%%nanwatch")
         try:
             watch = nanwatch(mode=args.mode, backward=not args.no_backward, optimizer=not args.no_optimizer,
                              ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth,
@@ -64,6 +67,13 @@ class NanwatchMagics(Magics):
                 failed = False
             finally:
                 keep_report(self.shell, "_nanwatch", report, args, failed, live.show)
+                if failed and logdir is not None:  # the user's exception stays the one they see
+                    try:
+                        write_tensorboard(report, logdir)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"TensorBoard export skipped: {exc}")
+        if logdir is not None:
+            write_tensorboard(report, logdir)
         if value is not None:
             display(value)
         return report if args.return_report else None
