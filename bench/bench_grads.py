@@ -16,7 +16,8 @@ busy machine disturb far less than wall time):
 The small model (d=64, sequence of 32) is the CPU stand-in for a GPU: its ops are so cheap that any
 Python work per op or per parameter shows, as it would next to microsecond kernels.
 Targets (issue 11): record <= 1.10x on GPT-2-small-like, <= 1.5x on the small model.
-Run: ``.venv/bin/python bench/bench_grads.py [--quick] [--model small|gpt2|both]``.
+``--long`` also times 128 recorded steps of the small model (flushes included): the per-step cost of
+leaving the recorder on. Run: ``.venv/bin/python bench/bench_grads.py [--quick] [--long] [--model small|gpt2|both]``.
 """
 from __future__ import annotations
 
@@ -108,16 +109,38 @@ def measure(label: str, model: nn.Module, vocab: int, seq: int, repeats: int) ->
           f"enter+exit {(split['enter'] + split['exit']) / plain:.2f} plain blocks")
 
 
+def long_run(model: nn.Module, vocab: int, seq: int, steps: int = 128) -> None:
+    """CPU ms per step over a long recording (the kept steps flushed every 64 steps), next to plain steps."""
+    idx = torch.randint(0, vocab, (2, seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def run() -> float:
+        start = time.process_time()
+        for _ in range(steps):
+            training_step(opt, lambda: lm_loss(model, idx, idx))
+        return (time.process_time() - start) / steps
+
+    run()
+    plain = run()
+    with record_gradients(model, name="gpt"):
+        recorded = run()
+    print(f"  long run, {steps} steps: plain {plain * 1e3:.2f} ms/step, recorded {recorded * 1e3:.2f} ms/step "
+          f"({recorded / plain:.2f}x, flushes included, the block's end not)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, a shorter GPT-2 sequence")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", choices=("small", "gpt2", "both"), default="both")
+    parser.add_argument("--long", action="store_true", help="also time 128 recorded steps of the small model")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if args.model in ("small", "both"):
         measure("2-layer GPT (d=64)", small_gpt(), 512, 32, args.repeats or (15 if args.quick else 41))
+        if args.long:
+            long_run(small_gpt(), 512, 32)
     if args.model in ("gpt2", "both"):
         model = GPT(vocab=50257, tied=True, fused_attention=True)  # GPT-2's vocabulary, tied head: 124M parameters
         measure("GPT-2-small-like", model, 50257, 32 if args.quick else 64, args.repeats or (3 if args.quick else 5))

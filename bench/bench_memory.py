@@ -13,7 +13,13 @@ variant enters and leaves the recorder inside the timing and includes building t
 %%cudamem does before drawing); the static SVG render is timed separately. The profiler variant is
 ``torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)`` (what its memory
 timeline needs) plus ``export_memory_timeline`` to a .json file. Variants are interleaved within each
-repeat, one thread, medians printed with ratios to the plain step. Target: memory_timeline <= 1.3x.
+repeat, one thread, medians printed with ratios to the plain step.
+
+``--floors`` also times what any op-precise CPU recorder pays before doing anything: a
+``TorchDispatchMode`` that only calls the op (with and without dynamo's per-op wrapper, which
+memory_timeline's mode skips), and the profiler's own C++ memory feed (``profile_memory=True``, no shapes,
+no stacks, no post-processing: the raw kineto result only). On CPU there is no other allocation feed
+(no allocator history or hooks, unlike CUDA), so the no-op mode is memory_timeline's floor.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import GPT, lm_loss, training_step  # noqa: E402
 from timing import Timings, clock  # noqa: E402
 from torch_nbdebug.api.memory import memory_timeline  # noqa: E402
+from torch_nbdebug.record.compat import EagerDispatchMode, TorchDispatchMode  # noqa: E402
 
 
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor,
@@ -77,6 +84,42 @@ def profiled(step: Callable[[], None]) -> Any:
     return prof
 
 
+class _NoOpMode(TorchDispatchMode):
+    """Calls the op, nothing else: the floor of every per-op dispatch-mode recorder."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _NoOpEagerMode(EagerDispatchMode):
+    """The same without dynamo's per-op wrapper, as memory_timeline's mode runs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def under(mode_class: Any, step: Callable[[], None]) -> None:
+    with mode_class():
+        step()
+
+
+def profiler_feed(step: Callable[[], None]) -> Any:
+    """The profiler's memory events only: start kineto with profile_memory, run, stop; the raw result
+    (what an allocation feed would read) without torch.profiler's Python post-processing."""
+    from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
+    from torch.autograd.profiler import ProfilerActivity, _disable_profiler, _enable_profiler, _prepare_profiler
+
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    activities = {ProfilerActivity.CPU}
+    _prepare_profiler(config, activities)
+    _enable_profiler(config, activities)
+    try:
+        step()
+    finally:
+        result = _disable_profiler()
+    return result
+
+
 def export_seconds(prof: Any) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         return clock(lambda: prof.export_memory_timeline(os.path.join(tmp, "mem.json"), device="cpu"))[0].wall
@@ -92,6 +135,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler comparison")
+    parser.add_argument("--floors", action="store_true",
+                        help="also time a no-op dispatch mode (with/without dynamo's wrapper) and the raw profiler memory feed")
     parser.add_argument("--lines-cost", action="store_true",
                         help="also time memory_timeline(record_lines=False): the cost of naming source lines")
     args = parser.parse_args()
@@ -105,6 +150,19 @@ def main() -> None:
                 args.repeats or (3 if args.quick else 5))
 
 
+def print_paired(timings: Timings, names: list[str]) -> None:
+    """Median over repeats of each variant's CPU seconds over the plain step's in the same repeat: other
+    load on the machine changes both alike, so these move less than ratios of medians."""
+    plain = timings.samples["plain"]
+    parts = []
+    for name in names:
+        samples = timings.samples[name]
+        if samples:
+            ratios = [s.cpu / p.cpu for s, p in zip(samples, plain) if p.cpu > 0]
+            parts.append(f"{name} {statistics.median(ratios):.2f}x")
+    print("paired cpu ratios (median of per-repeat ratios): " + "; ".join(parts))
+
+
 def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab: int, seq: int, repeats: int) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     idx = torch.randint(0, vocab, (args.batch, seq))
@@ -116,7 +174,9 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
           f"1 thread, {repeats} interleaved repeats (medians)")
     step()  # warm-up: Adam state, allocator, lazy init
     recorded(step, ns).html()  # warm-up of the recorder and the renderer too
-    timings = Timings(["plain", "memory_timeline", "no lines", "profiler"])
+    floors = {"no-op mode": lambda: under(_NoOpMode, step), "no-op mode, no dynamo wrapper": lambda: under(_NoOpEagerMode, step),
+              "profiler memory feed, raw": lambda: profiler_feed(step)} if args.floors else {}
+    timings = Timings(["plain", "memory_timeline", "no lines", "profiler", *floors])
     renders, events, exports = [], [], []
     for r in range(repeats):
         timings.time("plain", step)
@@ -127,9 +187,12 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
             timings.time("no lines", lambda: recorded(step, ns, record_lines=False))
         if not args.no_profiler:
             exports.append(export_seconds(timings.time("profiler", lambda: profiled(step))))
+        for name, floor in floors.items():
+            timings.time(name, floor)
         if repeats <= 5:
             print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1].wall:.3f}s" for k, v in timings.samples.items()
                                                          if v), flush=True)
+    print_paired(timings, ["memory_timeline", "no lines", "profiler", *floors])
     plain, plain_cpu = timings.median_wall("plain"), timings.median_cpu("plain")
     ours, ours_cpu = timings.median_wall("memory_timeline"), timings.median_cpu("memory_timeline")
     print("(wall = elapsed seconds; cpu = this process's CPU seconds, less sensitive to other load on the machine)")
@@ -147,6 +210,8 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
         print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   ratio {prof / plain:.2f}x; "
               f"cpu ratio {timings.median_cpu('profiler') / plain_cpu:.2f}x; export_memory_timeline {export:.3f} s; "
               f"with export {(prof + export) / plain:.2f}x")
+    for name in floors:
+        print(f"floor: {name:38s} cpu ratio {timings.median_cpu(name) / plain_cpu:.2f}x")
 
 if __name__ == "__main__":
     main()

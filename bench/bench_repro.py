@@ -10,15 +10,18 @@ the report, all inside the timing (as a %%repro cell would). Variants are interl
 repeat and compared by ratios of medians, for wall clock and process CPU time. Target on the
 GPT-2-small-like step: repro <= 3x the plain step (it runs the step twice, so 2x is the floor).
 
-Where the time goes (GPT-2-small-like, batch 2 x 31 tokens, AdamW, one CPU thread): the two runs
-(2x); the copy-on-write snapshot of what the step writes - the parameters and both AdamW moments,
-~1.2 GB cloned before the first write, nothing copied back (run 1 writes the parameters' clones and
-the parameters get their own memory back; the moments' clones take their place in the optimizer's
-state) - about 0.25-0.35x, most of it page faults of the fresh memory; the TorchDispatchMode itself
-about 0.13x per run; fingerprints (one integer sum of the bits per op output, weight gradients
-mostly; a view's input is not read again) about 0.07x per run; the recorder's per-op Python and the
-comparison about 0.15x per run. Larger batches raise the step's compute but not the snapshot, so
-the ratio falls towards 2x.
+Where the time goes (GPT-2-small-like, batch 2 x 63 tokens, AdamW, one CPU thread; process CPU time
+per phase, plain step ~210/390/400 ms forward/backward/optimizer): the two runs (2x); the snapshot of
+what the step writes, in run 1's optimizer phase (+~200 ms): the AdamW moments are cloned before their
+first write (~0.8 GB; their clones take their place in the restored state, nothing is copied back),
+the parameters are not cloned: their first write (AdamW's ``mul_``) is computed out of place into
+new memory and they get their own memory back when restored; the dispatch mode and per-op Python
+(~+15 ms per 1000 ops inside an optimizer step, which take a short path, ~+30 ms per 1000 forward
+and backward ops); fingerprints, one integer sum of the bits per computed output (~0.7 GB per run,
+weight gradients mostly; copies and views are not read) about +40 ms per run; the comparison in
+flushes of 64 ops. Larger batches raise the step's compute but not the snapshot, so the ratio falls
+towards 2x; glibc returns the snapshot's memory to the system at times, and the next call then
+faults it in again (system time, the first call always).
 """
 from __future__ import annotations
 

@@ -4,9 +4,10 @@
 #   bash bench/gpu_check.sh            # uses $PYTHON, else .venv/bin/python, else python3
 #
 # Runs bench/gpu_nanwatch.py (nanwatch overhead and correctness on CUDA), bench/gpu_memory.py
-# (%%cudamem on CUDA) and bench/gpu_repro.py (%%repro: atomics found as 'nondeterministic_op', a
-# deterministic GPT step identical and run once, its cost), each under its own time limit, and prints
-# what each printed. The repository
+# (%%cudamem on CUDA), bench/gpu_repro.py (%%repro: atomics found as 'nondeterministic_op', a
+# deterministic GPT step identical and run once, its cost) and bench/gpu_grads.py (record_gradients
+# next to the foreach-norm anchor on both models, and its host synchronisations), each under its own
+# time limit and all within one budget of 178 s, and prints what each printed. The repository
 # root is put on PYTHONPATH so the package needs no install on a machine that already has torch.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,10 +30,19 @@ print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}, p
 PY
 
 status=0
-# Time limits add up to 175 s, so the whole check ends within 3 minutes.
-for entry in "gpu_nanwatch.py 65" "gpu_memory.py 80" "gpu_repro.py 30"; do
+# Each script has its own limit; together they may not pass BUDGET, so the whole check ends within
+# 3 minutes: a script gets what is left of it, and is skipped when less than 10 s is left.
+BUDGET=178
+for entry in "gpu_nanwatch.py 65" "gpu_memory.py 80" "gpu_repro.py 30" "gpu_grads.py 40"; do
     set -- $entry
     script="bench/$1" limit="$2"
+    left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 10 ]; then
+        echo "===== $script: SKIPPED, ${left}s left of the ${BUDGET}s budget"
+        status=1
+        continue
+    fi
+    [ "$left" -lt "$limit" ] && limit="$left"
     echo "===== $script (limit ${limit}s) ====="
     if ! [ -f "$script" ]; then
         echo "gpu_check: $script is missing"

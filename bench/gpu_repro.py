@@ -9,8 +9,10 @@
 2. The same cell with ``torch.use_deterministic_algorithms(True)`` is identical.
 3. A GPT-2-small-like training step (embedding backward uses atomics): deterministic off gives
    identical or 'nondeterministic_op' and nothing else; deterministic on gives identical, and the
-   parameters equal one plain step of a twin model (the state is as if the step ran once).
-4. Timing: the step under repro vs plain (the target is <= 3x; printed, not asserted).
+   parameters and AdamW moments equal one plain step of a twin model (the state is as if the step
+   ran once), for AdamW's foreach kernels (CUDA's default: run 1 writes the parameters through the
+   out-of-place ``_foreach_mul``), its fused kernel (copy-on-write) and its per-tensor loop.
+4. Timing: the step under repro vs plain, foreach AdamW (the target is <= 3x; printed, not asserted).
 """
 from __future__ import annotations
 
@@ -67,35 +69,39 @@ def check_atomics() -> None:
     print("atomics: identical with torch.use_deterministic_algorithms(True)")
 
 
-def gpt_case(layers: int = 12, batch: int = 8, seq: int = 128) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+def gpt_case(layers: int = 12, batch: int = 8, seq: int = 128,
+             **adamw: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(layers=layers).to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw)
     idx = torch.randint(0, 8192, (batch, seq + 1), device=DEVICE)
     return model, opt, idx
 
 
-def check_training_step() -> None:
-    model, opt, idx = gpt_case(layers=2)
+def check_training_step(**adamw: bool) -> None:
+    kind = ", ".join(f"{k}={v}" for k, v in adamw.items()) or "foreach (default)"
+    model, opt, idx = gpt_case(layers=2, **adamw)
     step = lambda m, o: training_step(o, lambda: lm_loss(m, idx[:, :-1], idx[:, 1:]))  # noqa: E731
     step(model, opt)  # optimizer state exists, as in a real loop
     report = repro(lambda: step(model, opt), state={"model": model, "opt": opt})
     assert report.cause in (None, "nondeterministic_op"), report.text()
-    print(f"gpt step, deterministic off: {report.text().splitlines()[0]}"
+    print(f"gpt step, AdamW {kind}, deterministic off: {report.text().splitlines()[0]}"
           + (f" at {report.first.op} ({report.first.phase}, {report.first.module})" if report.first else ""))
     torch.use_deterministic_algorithms(True)
     try:
-        twin = copy.deepcopy(model)
-        twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-4)
-        twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own copy of the moments
+        twin, twin_opt = copy.deepcopy((model, opt))  # one deepcopy: the twin optimizer steps the twin
+        addresses = [p.data_ptr() for p in model.parameters()]
         report = repro(lambda: step(model, opt), state={"model": model, "opt": opt})
         assert report.identical, report.text()
+        assert [p.data_ptr() for p in model.parameters()] == addresses, "parameters moved to other memory"
         step(twin, twin_opt)
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q), "state after repro differs from one plain step"
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][key], twin_opt.state[q][key]), f"{key} differs from one plain step"
     finally:
         torch.use_deterministic_algorithms(False)
-    print("gpt step, deterministic on: identical, parameters equal one plain step")
+    print(f"gpt step, AdamW {kind}, deterministic on: identical, parameters and moments equal one plain step")
 
 
 def time_step(repeats: int = 3) -> None:
@@ -121,7 +127,8 @@ def main() -> None:
         raise SystemExit("gpu_repro: no CUDA device")
     start = time.perf_counter()
     check_atomics()
-    check_training_step()
+    for adamw in ({}, {"fused": True}, {"foreach": False}):
+        check_training_step(**adamw)
     time_step()
     print(f"gpu_repro: ok in {time.perf_counter() - start:.1f}s")
 

@@ -77,3 +77,33 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("cuda")[0] == "cpu" and "no CUDA device" in resolve_device("cuda")[2]
     assert memory_cuda.history_enabled() is False
+
+
+def test_lines_come_from_the_allocator_stacks_when_we_record_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our history records Python stacks: the recorder walks no stack per allocation, the line still shows.
+    A history the user turned on may have none: then the recorder names lines itself."""
+    from torch_nbdebug.record.memory import MemoryRecorder
+
+    frames = [{"filename": torch.__file__, "line": 3, "name": "inner"},
+              {"filename": "<cell>", "line": 7, "name": "<module>"}]
+    trace = snapshot()
+    trace["device_traces"][0][1]["frames"] = frames
+    fake = FakeAllocator(monkeypatch, enabled=False, snapshot=trace)
+    walks: list[bool] = []
+    original = MemoryRecorder.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        walks.append(kwargs["record_lines"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryRecorder, "__init__", init)
+    with memory_timeline({}, device="cuda") as tl:
+        pass
+    line = tl.allocations[0].line
+    assert line is not None and (line.filename, line.lineno) == ("<cell>", 7)
+    fake.enabled = True
+    with memory_timeline({}, device="cuda"):
+        pass
+    with memory_timeline({}, device="cuda", record_lines=False):
+        pass
+    assert walks == [False, True, False]

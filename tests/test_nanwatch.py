@@ -10,6 +10,7 @@ from torch import nn
 from torch_nbdebug.api import nanwatch as nanwatch_api
 from torch_nbdebug.api.nanwatch import NanEvent, NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
+from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
 
 SRC = open(__file__).read().splitlines()
 

@@ -16,6 +16,7 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from torch_nbdebug.api.nanwatch import nanwatch
+from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
 
 from test_nanwatch import check_path  # noqa: F401 - every test on both check paths
 

@@ -12,6 +12,7 @@ from IPython.utils.capture import capture_output
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report
 from torch_nbdebug.errors import NanBirthError
+from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
 from torch_nbdebug.magics.nanwatch import NanwatchMagics
 from torch_nbdebug.render.bundle import WIDGET_MIME
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
+from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
 from torch_nbdebug.record.modules import global_hook_counts
 
 from test_nanwatch import CausalAttention, SqrtNorm, check_path, make_model  # noqa: F401 - both paths

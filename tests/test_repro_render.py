@@ -41,3 +41,12 @@ def test_identical_and_bundle() -> None:
     assert bundle["text/plain"] == "repro: the two runs are identical (10 ops compared bit for bit)"
     assert "#1a7f37" in bundle["text/html"] and report.identical and report.cause is None
     assert ReproReport().text() == "repro: still running"
+
+
+def test_html_follows_the_notebook_theme() -> None:
+    """Under JupyterLab Dark a hard-coded light code chip left the code unreadable (contrast 1.1:1):
+    backgrounds and muted text come from JupyterLab's variables, with fallbacks for other viewers."""
+    html = report_html(SUMMARY)
+    assert "#f6f8fa" not in html
+    assert "background:var(--jp-layout-color2," in html.replace(" ", "")
+    assert "var(--jp-ui-font-color2," in html

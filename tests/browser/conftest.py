@@ -18,8 +18,13 @@ side after clicking a widget), and ``lab.screenshot(page_or_locator, name)``. A 
 the test with its traceback unless ``allow_errors=True``.
 
 ``run_notebook`` and ``open_notebook`` also take ``viewport=(width, height)`` (the window size, e.g.
-``(900, 1000)`` for a narrow window; default 1400x1000) and ``theme=DARK`` (JupyterLab's own dark
-theme, set in the user settings before the page loads and removed after the test).
+``(900, 1000)`` for a narrow window; default 1400x1000), ``theme=DARK`` (JupyterLab's own dark
+theme, set in the user settings before the page loads and removed after the test) and
+``ui=NOTEBOOK7``: the same server's Notebook 7 front end (the ``notebook`` package, a server
+extension next to JupyterLab) at ``/notebooks/<path>`` instead of JupyterLab at ``/lab/tree/<path>``.
+Notebook 7 is built from JupyterLab's components, so ``cell``/``output`` and the page scripts work in
+both. ``lab.open_saved(path, ui=...)`` opens a notebook as saved, outputs kept and nothing run (a
+file that was not run here is untrusted); ``lab.open_tree()`` opens Notebook 7's file browser.
 
 Every test under tests/browser is marked ``browser``. A failing test leaves a screenshot of each
 page it opened, plus the page's console, in test-artifacts/. Timeouts are generous and every wait
@@ -58,6 +63,8 @@ CHROMIUM_ARGS = [
 KERNEL_READY_S = 300.0
 LIGHT = "JupyterLab Light"
 DARK = "JupyterLab Dark"
+LAB = "lab"  # JupyterLab 4: /lab/tree/<path>
+NOTEBOOK7 = "notebook7"  # Notebook 7 on the same server: /tree, /notebooks/<path>
 VIEWPORT = (1400, 1000)
 RUN_S = 900.0
 ACTION_MS = 120_000  # default timeout of every playwright action and expect()
@@ -77,6 +84,12 @@ _FIND = """
 """
 # JupyterLab marks the applied theme on <body> (data-jp-theme-name) once its CSS is loaded.
 _JS_THEME = """(name) => document.body.dataset.jpThemeName === name"""
+# The notebook panel is there with its cells (outputs as saved), whatever the kernel does.
+_JS_PANEL_READY = """(path) => {""" + _FIND + """
+  const w = findPanel(path);
+  return !!w && w.context.isReady && w.content.widgets.length > 0;
+}
+"""
 _JS_KERNEL_READY = """(path) => {""" + _FIND + """
   const w = findPanel(path);
   if (!w || !w.context.isReady) return false;
@@ -196,20 +209,40 @@ class Lab:
     # ----- public API -------------------------------------------------------------------------
     def run_notebook(self, cells: list[str], name: str, *, timeout: float = RUN_S,
                      allow_errors: bool = False, viewport: tuple[int, int] | None = None,
-                     theme: str | None = None) -> Any:
+                     theme: str | None = None, ui: str = LAB) -> Any:
         """Write a notebook of these code cells as ``<name>.ipynb``, open it, run all cells, return the page."""
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
-        return self._open_and_run(_clean_notebook(nb), f"{name}.ipynb", timeout, allow_errors, viewport, theme)
+        return self._open_and_run(_clean_notebook(nb), f"{name}.ipynb", timeout, allow_errors, viewport, theme, ui)
 
     def open_notebook(self, path: str | os.PathLike[str], *, timeout: float = RUN_S,
                       allow_errors: bool = False, viewport: tuple[int, int] | None = None,
-                      theme: str | None = None) -> Any:
+                      theme: str | None = None, ui: str = LAB) -> Any:
         """Copy an existing notebook into the server root (outputs dropped), open it and run all cells."""
-        src = Path(path)
-        if not src.is_absolute():
-            src = REPO / src
+        src = _in_repo(path)
         nb = nbformat.read(src, as_version=4)
-        return self._open_and_run(_clean_notebook(nb), src.name, timeout, allow_errors, viewport, theme)
+        return self._open_and_run(_clean_notebook(nb), src.name, timeout, allow_errors, viewport, theme, ui)
+
+    def open_saved(self, path: str | os.PathLike[str], *, viewport: tuple[int, int] | None = None,
+                   ui: str = LAB) -> Any:
+        """Copy a notebook file as it is (outputs kept, no signature added) into the server root and open
+        it without running a cell: what a person sees on opening a notebook someone else saved (untrusted,
+        since this server never ran it). Returns the page once the notebook shows its cells."""
+        src = _in_repo(path)
+        shutil.copyfile(src, self.server.root / src.name)
+        page = self._new_page(viewport)
+        self._paths[id(page)] = src.name
+        self._goto(page, src.name, ui)
+        self._wait(page, _JS_PANEL_READY, src.name, KERNEL_READY_S, f"{src.name}: notebook open")
+        self._wait(page, _JS_THEME, LIGHT, KERNEL_READY_S, f"{src.name}: theme {LIGHT}")
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
+        return page
+
+    def open_tree(self, *, viewport: tuple[int, int] | None = None) -> Any:
+        """Notebook 7's file browser (``/tree``) on the server root; returns the page once it lists files."""
+        page = self._new_page(viewport)
+        page.goto(f"{self.server.url}/tree?token={self.server.token}", wait_until="domcontentloaded")
+        page.locator(".jp-DirListing-content").wait_for(timeout=KERNEL_READY_S * 1000)
+        return page
 
     def run_cell(self, page: Any, source: str, *, timeout: float = RUN_S,
                  allow_errors: bool = False) -> Any:
@@ -253,17 +286,25 @@ class Lab:
         return str(self.output(page, index).inner_text())
 
     # ----- internals --------------------------------------------------------------------------
+    def _goto(self, page: Any, filename: str, ui: str) -> None:
+        self._count += 1
+        if ui == LAB:
+            # A fresh workspace per page, so JupyterLab restores no tab from an earlier test.
+            url = f"{self.server.url}/lab/workspaces/t{self._count}/tree/{quote(filename)}"
+        elif ui == NOTEBOOK7:
+            url = f"{self.server.url}/notebooks/{quote(filename)}"  # one notebook per page: nothing to restore
+        else:
+            raise ValueError(f"ui must be {LAB!r} or {NOTEBOOK7!r}, not {ui!r}")
+        page.goto(f"{url}?token={self.server.token}", wait_until="domcontentloaded")
+
     def _open_and_run(self, nb: Any, filename: str, timeout: float, allow_errors: bool,
-                      viewport: tuple[int, int] | None = None, theme: str | None = None) -> Any:
+                      viewport: tuple[int, int] | None = None, theme: str | None = None, ui: str = LAB) -> Any:
         nbformat.validate(nb)
         nbformat.write(nb, self.server.root / filename)
         self.server.set_theme(theme)  # read by the page as it loads; removed again by close_pages
         page = self._new_page(viewport)
         self._paths[id(page)] = filename
-        self._count += 1
-        # A fresh workspace per page, so JupyterLab restores no tab from an earlier test.
-        page.goto(f"{self.server.url}/lab/workspaces/t{self._count}/tree/{quote(filename)}"
-                  f"?token={self.server.token}", wait_until="domcontentloaded")
+        self._goto(page, filename, ui)
         self._wait(page, _JS_KERNEL_READY, filename, KERNEL_READY_S,
                    f"{filename}: notebook open with an idle kernel")
         self._wait(page, _JS_THEME, theme or LIGHT, KERNEL_READY_S, f"{filename}: theme {theme or LIGHT}")
@@ -324,6 +365,11 @@ class Lab:
                 pass
         self.pages.clear()
         self.server.set_theme(None)  # the next page loads with the default (light) theme
+
+
+def _in_repo(path: str | os.PathLike[str]) -> Path:
+    src = Path(path)
+    return src if src.is_absolute() else REPO / src
 
 
 def _require_browser() -> None:

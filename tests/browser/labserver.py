@@ -106,6 +106,8 @@ class LabServer:
             f"--ServerApp.root_dir={self.root}",
             "--ServerApp.terminals_enabled=False",
             "--LabApp.expose_app_in_browser=True",  # window.jupyterapp, to run commands and read state
+            # Notebook 7 (the `notebook` server extension, /tree and /notebooks/<path>) from the same server.
+            "--JupyterNotebookApp.expose_app_in_browser=True",
             "--LabApp.news_url=None",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",

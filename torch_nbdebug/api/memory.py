@@ -156,8 +156,12 @@ class memory_timeline:
 
             self._history = CudaHistory()
             self._history.__enter__()
+        # The allocator history we turn on records each allocation's Python stack, and the timeline
+        # takes the user's line from it (record/memory_cuda.py): the recorder need not also walk the
+        # stack per allocation. A history the user turned on may have no stacks: then it does.
+        walk_lines = self.record_lines and (self._history is None or self._history.was_enabled)
         self._recorder = recorder_class(self.namespace, device_type=self.device_type,
-                                        record_lines=self.record_lines, scan_gc=self.scan_gc)
+                                        record_lines=walk_lines, scan_gc=self.scan_gc)
         try:
             self._recorder.start()
         except BaseException:

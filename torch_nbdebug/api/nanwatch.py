@@ -212,14 +212,19 @@ def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
     if rec.other_thread:
         yield ("modules also ran in another thread: nanwatch checks the ops of the thread that runs the "
                "watched code only (run that work in this thread to watch it)")
+    if rec.modules.replayer is not None:
+        yield from rec.modules.replayer.notes
     yield from rec.errors
     if exc is not None and not isinstance(exc, NanBirthError):
         yield f"the code raised {type(exc).__name__}: the report covers what ran before it"
 
 
+REPLAY_DEFAULT = True  # tests run the always-on per-op watch too by setting this to False
+
+
 def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True, ignore_inf: bool = False,
              raise_on_birth: bool = False, namespace: Optional[Mapping[str, Any]] = None,
-             defer: Optional[bool] = None, max_events: int = 50) -> NanWatch:
+             defer: Optional[bool] = None, max_events: int = 50, replay: Optional[bool] = None) -> NanWatch:
     """Watch the block for NaN/Inf births: ``with nanwatch() as report: ...``.
 
     mode: ``"op"`` (default) checks every ATen op that can create a NaN/Inf; ``"module"`` checks only
@@ -229,13 +234,21 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
     namespace: where to find variable names for modules/parameters (default: the caller's).
     defer: keep flags on the device and read them once per training step, when the backward starts
     (default: True on CUDA, where each read is a host synchronisation).
+    replay: op mode on the immediate path (default: on). The per-op watch is off while a model's
+    forward runs: each module call's output is kept and all are checked together when the model returns;
+    a call whose output went non-finite is run again (same arguments, weights and RNG state; no
+    ``.grad``, buffers restored) under the per-op watch, which names the op and line. A backward birth
+    inside a model gets its forward op and line the same way. Backward, optimizer steps and code outside
+    modules are watched per op. ``replay=False``: the per-op watch stays on for the whole block.
     """
     if mode not in MODES:
         raise InputError(f"nanwatch: mode must be 'op' (every op) or 'module' (module outputs only), not {mode!r}")
     if not isinstance(max_events, int) or max_events < 1:
         raise InputError(f"nanwatch: max_events must be a positive int, not {max_events!r}")
+    if replay is None:
+        replay = REPLAY_DEFAULT
     for name, value in (("backward", backward), ("optimizer", optimizer), ("ignore_inf", ignore_inf),
-                        ("raise_on_birth", raise_on_birth)):
+                        ("raise_on_birth", raise_on_birth), ("replay", replay)):
         if not isinstance(value, bool):
             raise InputError(f"nanwatch: {name} must be True or False, not {value!r}")
     if namespace is not None and not isinstance(namespace, Mapping):
@@ -244,6 +257,8 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
         defer = _cuda_in_use()
     options = dict(mode=mode, backward=backward, optimizer=optimizer, ignore_inf=ignore_inf,
                    raise_on_birth=raise_on_birth, defer=defer, max_events=max_events)
+    # Replay needs the immediate path and op mode; raising at the birth line needs each op checked at once.
+    options["replay"] = replay and mode == "op" and not defer and not raise_on_birth
     caller = caller_frame() if namespace is None else None  # the one definition of "the caller"
     return NanWatch(namespace, options, caller)
 

@@ -132,8 +132,10 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
     report = _last = ReproReport()
     snapshot = StateSnapshot(named, namespace, restore_rng)
     context = dict(names=tuple(snapshot.names), restore_rng=restore_rng, named=named, skipped=tuple(skipped))
+    watches = snapshot.watches_writes
     run1 = ReproRecorder(names, labels=snapshot.labels, pristine=snapshot.pristine,
-                         before_write=snapshot.before_write if snapshot.watches_writes else None)
+                         before_write=snapshot.before_write if watches else None,
+                         movable=snapshot.movable if watches else None, move=snapshot.move if watches else None)
     try:
         try:
             with run1:

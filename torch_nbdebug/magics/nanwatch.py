@@ -20,6 +20,9 @@ class NanwatchMagics(Magics):
     @argument("--mode", choices=("op", "module"), default="op",
               help="op (default): check every op that can create NaN/Inf and name it; "
                    "module: check only module outputs (cheaper, names the module)")
+    @argument("--no-replay", action="store_true",
+              help="op mode: keep the per-op watch on inside models too, instead of checking module outputs "
+                   "and replaying a call that went non-finite under it (slower, same report)")
     @argument("--no-backward", action="store_true", help="do not watch the backward pass")
     @argument("--no-optimizer", action="store_true", help="do not watch optimizer.step()")
     @argument("--ignore-inf", action="store_true", help="report NaN only, not Inf")
@@ -53,7 +56,8 @@ class NanwatchMagics(Magics):
         try:
             watch = nanwatch(mode=args.mode, backward=not args.no_backward, optimizer=not args.no_optimizer,
                              ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth,
-                             namespace=self.shell.user_ns, max_events=args.max_events)
+                             namespace=self.shell.user_ns, max_events=args.max_events,
+                             replay=False if args.no_replay else None)
         except InputError as exc:
             raise usage_errors(exc) from None
         report: NanReport = watch.report

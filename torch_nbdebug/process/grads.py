@@ -32,30 +32,32 @@ def layer_arrays(trace: GradTrace) -> dict[str, np.ndarray]:
     max |g|, update ratio and elements with a gradient (NaN where no parameter had a gradient)."""
     n_s, n_l = len(trace.steps), len(trace.layers)
     out = {k: np.full((n_s, n_l), np.nan) for k in ("norm", "rms", "mean_abs", "max_abs", "update_ratio", "numel")}
-    if not n_s:
+    filled = [li for li, layer in enumerate(trace.layers) if layer.params]
+    if not n_s or not filled:
         return out
-    st = trace.stats
+    # Every layer at once: the parameters of the layers laid end to end, each sum a segment sum.
+    idx = [p for li in filled for p in trace.layers[li].params]
+    starts = np.cumsum([0] + [len(trace.layers[li].params) for li in filled[:-1]])
+    seg = lambda values, op=np.add: op.reduceat(values, starts, axis=1)  # noqa: E731
+    st = trace.stats[:, idx]                                                 # [S, p]
+    has = st[:, :, FIELD["has_grad"]] > 0
+    numel = np.array([trace.params[p].numel for p in idx], dtype=np.float64) * has
     with np.errstate(invalid="ignore", divide="ignore"):
-        for li, layer in enumerate(trace.layers):
-            idx = list(layer.params)
-            if not idx:
-                continue
-            has = st[:, idx, FIELD["has_grad"]] > 0                     # [S, p]
-            numel = np.array([trace.params[p].numel for p in idx], dtype=np.float64) * has
-            total = numel.sum(1)
-            some = total > 0
-            take = lambda name: np.where(has, st[:, idx, FIELD[name]], 0.0)  # noqa: E731
-            norm = np.sqrt((take("norm") ** 2).sum(1))
-            out["numel"][:, li] = np.where(some, total, np.nan)
-            out["norm"][:, li] = np.where(some, norm, np.nan)
-            out["rms"][:, li] = np.where(some, norm / np.sqrt(total), np.nan)
-            out["mean_abs"][:, li] = np.where(some, (take("mean_abs") * numel).sum(1) / total, np.nan)
-            out["max_abs"][:, li] = np.where(some, np.where(has, st[:, idx, FIELD["max_abs"]], -np.inf).max(1), np.nan)
-            ratio, pn = st[:, idx, FIELD["update_ratio"]], take("param_norm")
-            known = (has & ~np.isnan(ratio)).any(1)
-            # ‖Δw‖/‖w‖ of the whole layer: combine per-parameter ‖Δw‖ = ratio·‖w‖.
-            delta = np.sqrt(np.nansum(np.where(has, (ratio * pn) ** 2, np.nan), 1))
-            out["update_ratio"][:, li] = np.where(known, delta / np.maximum(np.sqrt((pn ** 2).sum(1)), 1e-30), np.nan)
+        total = seg(numel)
+        some = total > 0
+        take = lambda name: np.where(has, st[:, :, FIELD[name]], 0.0)  # noqa: E731
+        norm = np.sqrt(seg(take("norm") ** 2))
+        ratio, pn = st[:, :, FIELD["update_ratio"]], take("param_norm")
+        known = seg(has & ~np.isnan(ratio), np.logical_or)
+        # ‖Δw‖/‖w‖ of the whole layer: combine per-parameter ‖Δw‖ = ratio·‖w‖ (NaN ones left out).
+        moved = np.where(has, (ratio * pn) ** 2, np.nan)
+        delta = np.sqrt(seg(np.where(np.isnan(moved), 0.0, moved)))
+        columns = {"numel": total, "norm": norm, "rms": norm / np.sqrt(total),
+                   "mean_abs": seg(take("mean_abs") * numel) / total,
+                   "max_abs": seg(np.where(has, st[:, :, FIELD["max_abs"]], -np.inf), np.maximum)}
+        for key, values in columns.items():
+            out[key][:, filled] = np.where(some, values, np.nan)
+        out["update_ratio"][:, filled] = np.where(known, delta / np.maximum(np.sqrt(seg(pn ** 2)), 1e-30), np.nan)
     return out
 
 
@@ -95,8 +97,9 @@ def step_flags(trace: GradTrace, step: int = -1, limits: Thresholds = Thresholds
             medians = np.median(past, 0) if finite.all() else np.nanmedian(np.where(finite, past, np.nan), 0)
             history = np.stack([medians, counts], 1)
     found: list[Flag] = []
+    loud = _loud_params(trace, step, limits)
     for li in range(len(trace.layers)):
-        for kind, reason, param in _layer_findings(trace, step, li, table, median_rms, history, limits):
+        for kind, reason, param in _layer_findings(trace, step, li, table, median_rms, history, limits, loud):
             found.append(Flag(kind, li, step, reason, param))
     return tuple(found)
 
@@ -107,13 +110,25 @@ def trace_flags(trace: GradTrace, limits: Thresholds = Thresholds()) -> tuple[Fl
     return tuple(f for s in range(len(trace.steps)) for f in step_flags(trace, s, limits, arrays))
 
 
+def _loud_params(trace: GradTrace, step: int, limits: Thresholds) -> np.ndarray:
+    """The parameters :func:`_param_finding` may flag at ``step`` (a superset, for every parameter
+    at once): the others are skipped without a call each."""
+    s = trace.stats[step]
+    units = np.array([info.units for info in trace.params], dtype=np.float64)
+    norm, dead = s[:, FIELD["norm"]], s[:, FIELD["dead_units"]]
+    with np.errstate(invalid="ignore"):
+        return ((s[:, FIELD["has_grad"]] == 0) | (s[:, FIELD["nan"]] > 0) | (s[:, FIELD["inf"]] > 0) |
+                ~np.isfinite(norm) | (norm == 0) | ((units > 0) & (dead >= limits.dead_units * units)))
+
+
 def _layer_findings(trace: GradTrace, step: int, li: int, table: dict[str, np.ndarray], median_rms: float,
-                    history: Optional[np.ndarray], limits: Thresholds) -> list[tuple[str, str, Optional[int]]]:
+                    history: Optional[np.ndarray], limits: Thresholds, loud: Optional[np.ndarray] = None
+                    ) -> list[tuple[str, str, Optional[int]]]:
     layer = trace.layers[li]
     s = trace.stats[step]
     out: list[tuple[str, str, Optional[int]]] = []
     for p in layer.params:
-        found = _param_finding(trace, step, p, limits)
+        found = _param_finding(trace, step, p, limits) if loud is None or loud[p] else None
         if found and all(kind != found[0] for kind, _, _ in out):
             out.append((*found, p))
     norm, rms = table["norm"][li], table["rms"][li]

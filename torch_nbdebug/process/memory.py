@@ -50,9 +50,8 @@ def category_series(allocations: Sequence[Allocation], events: np.ndarray) -> np
     nbytes = np.fromiter((a.nbytes for a in allocations), np.int64, len(allocations))
     cats = np.fromiter((_CAT[a.category] for a in allocations), np.int64, len(allocations))
     out = np.zeros((len(events) + 1, n_cat), dtype=np.int64)
-    for a in allocations:
-        if a.start < 0:
-            out[0, _CAT[a.category]] += a.nbytes
+    before = np.fromiter((a.start < 0 for a in allocations), bool, len(allocations))
+    np.add.at(out[0], cats[before], nbytes[before])  # row 0: what was alive before recording
     if len(events):
         ids = np.where(events >= 0, events, -events - 1)
         delta = np.where(events >= 0, nbytes[ids], -nbytes[ids])
@@ -61,11 +60,14 @@ def category_series(allocations: Sequence[Allocation], events: np.ndarray) -> np
     return out
 
 
+_ALIVE = int(np.iinfo(np.int64).max)  # the end of an allocation alive at the end (looked up once: it costs)
+
+
 def allocation_spans(allocations: Sequence[Allocation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(start, end, nbytes)`` arrays (end = a huge number while alive): vectorised liveness queries."""
     n = len(allocations)
     starts = np.fromiter((a.start for a in allocations), np.int64, n)
-    ends = np.fromiter((a.end if a.end is not None else np.iinfo(np.int64).max for a in allocations), np.int64, n)
+    ends = np.fromiter((_ALIVE if a.end is None else a.end for a in allocations), np.int64, n)
     return starts, ends, np.fromiter((a.nbytes for a in allocations), np.int64, n)
 
 

@@ -380,3 +380,73 @@ def unskip_dynamo_codes() -> list[types.CodeType]:
     for code in codes:
         set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
     return codes
+
+
+# -- dispatch modes without dynamo's per-op wrapper -------------------------------------------
+def _never_compile_setter() -> Optional[Callable[[types.CodeType], None]]:
+    """Marks a code object so dynamo neither compiles it nor anything it calls (None on a torch without
+    per-code strategies). A C-level setting: dynamo need not be imported, and it holds when it is later."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return None
+    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    return lambda code: set_code_exec_strategy(code, strategy)
+
+
+_NEVER_COMPILE = _never_compile_setter()
+
+
+class EagerDispatchMode(TorchDispatchMode):
+    """A :class:`TorchDispatchMode` whose handler dynamo never compiles, without a wrapper per op.
+
+    TorchDispatchMode wraps every subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``: two
+    more Python frames and two eval-frame switches on every op (a fifth of a no-op mode's cost on a
+    small model), and an import of dynamo (about a second) on the first op. Here the handler's code
+    object is marked once instead, with the strategy that wrapper applies per call (skip it and all
+    it calls): when ``torch.compile`` is first used inside the block, dynamo still never traces the
+    recorder. ``_should_skip_dynamo`` is the private switch TorchDispatchMode reads in
+    ``__init_subclass__``; on a torch that cannot mark code objects the wrapper stays.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return _NEVER_COMPILE is None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = getattr(cls.__dict__.get("__torch_dispatch__"), "__code__", None)
+        if _NEVER_COMPILE is not None and code is not None:
+            _NEVER_COMPILE(code)
+
+
+def op_output_aliases_input(func: Any) -> bool:
+    """Whether an ATen overload's schema says a return may share an input's storage (views, in-place
+    and ``out=`` ops), or the op is one of those known to return an alias without saying so.
+    True when there is no schema to read: the caller then checks the inputs, which is always right."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or getattr(func, "__name__", "").split(".")[0] in _UNANNOTATED_ALIASES:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+# Ops whose schema shows no alias but whose result may be a view of an input (``_unsafe_view`` is
+# ``reshape``'s "view without a view's bookkeeping"; ``_reshape_alias`` likewise).
+_UNANNOTATED_ALIASES = frozenset({"_unsafe_view", "_reshape_alias", "alias", "lift_fresh"})
+
+
+def _storage_id_getter() -> Callable[[Any], int]:
+    descriptor = vars(getattr(torch._C, "StorageBase", object)).get("_cdata")
+    return descriptor.__get__ if descriptor is not None else storage_id
+
+
+storage_id_of: Callable[[Any], int] = _storage_id_getter()
+""":func:`storage_id` as the attribute's own C getter (no Python frame), for recorders that call it on
+every op output; :func:`storage_id` itself where torch has no such descriptor."""
+
+
+def module_hooks_in(module: Any) -> bool:
+    """Whether ``module`` or a submodule has hooks of its own (forward, forward pre, backward): running
+    it again would run them again. Reads ``nn.Module``'s private hook dicts (no public accessor)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(bool(getattr(m, name, None)) for m in module.modules() for name in names)

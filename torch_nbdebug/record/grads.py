@@ -41,6 +41,7 @@ _FORWARD_ORDER: "WeakIdMap[nn.Module, tuple[str, ...]]" = WeakIdMap()
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
 _MAX_KEPT = 1 << 24  # sample elements kept on the device between host copies (64 MB of float32)
+_CPU_CHUNK = 1 << 18  # sample elements reduced together on a CPU (1 MB of float32: a core's cache)
 
 
 def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None
@@ -98,6 +99,7 @@ class GradRecorder:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
         self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []  # find a backward's end: only until an optimizer steps
         self._pending: list[dict[str, Any]] = []
         self._host: list[dict[str, Any]] = []
         self._act: dict[int, torch.Tensor] = {}
@@ -109,6 +111,7 @@ class GradRecorder:
         self._steps = 0
         self._hist_every = 1
         self._before: Optional[torch.Tensor] = None
+        self._after: Optional[tuple[Any, torch.Tensor, list[int]]] = None  # the last step's weights, sampled
         self._kept = 0  # sample elements held by the pending rows
         self._last: Optional[list[tuple[Any, int]]] = None
         self.trace: Optional[GradTrace] = None
@@ -135,7 +138,8 @@ class GradRecorder:
                 add(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
         for p in self._params:
             if p.requires_grad:
-                add(p.register_post_accumulate_grad_hook(self._accumulated))
+                self._grad_handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        self._handles += self._grad_handles
         add(register_optimizer_step_pre_hook(self._pre_step))
         add(register_optimizer_step_post_hook(self._post_step))
 
@@ -215,6 +219,8 @@ class GradRecorder:
         if not self._opt_seen:  # from now on steps are optimizer steps: drop the backward-only rows
             reuse = self._pending[-1] if self._pending and self._last_still_there() else None
             self._opt_seen, self._pending, self._host, self._steps, self._kept = True, [], [], 0, 0
+            for handle in self._grad_handles:  # from now on backward passes are not steps: no call per parameter
+                handle.remove()
             if reuse is not None:  # the last backward's row already holds these very gradients
                 row = dict(reuse, step=0, kind="optimizer")
                 self._pending.append(row)
@@ -222,7 +228,8 @@ class GradRecorder:
         row = row or self._record("optimizer")
         if row is not None:
             with torch.no_grad():
-                self._before = self._gather_params(row)
+                same = self._unchanged_since_last_step(row)
+                self._before = same if same is not None else self._gather_params(row)
 
     def _after_step(self, opt: Any) -> None:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
@@ -230,11 +237,22 @@ class GradRecorder:
         row = self._pending[-1]
         with torch.no_grad():  # reduced with the row at the next flush: no work per parameter now
             row["before"], row["after"] = self._before, self._gather_params(row)
+        self._after = (row["layout"], row["after"], [compat.tensor_version(self._params[i]) for i in row["present"]])
         self._kept += 2 * row["layout"].size
         self._before = None
 
     def _gather_params(self, row: dict[str, Any]) -> torch.Tensor:
         return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"])
+
+    def _unchanged_since_last_step(self, row: dict[str, Any]) -> Optional[torch.Tensor]:
+        """The sample of the weights taken after the last step, when no weight changed since (their
+        versions say so): it is this step's "before", and gathering it again would copy the same values."""
+        if self._after is None or self._after[0] is not row["layout"]:
+            return None
+        layout, after, versions = self._after
+        self._after = None
+        same = all(compat.tensor_version(self._params[i]) == v for i, v in zip(row["present"], versions))
+        return after if same else None
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
@@ -263,7 +281,10 @@ class GradRecorder:
         rows, self._pending, self._kept = self._pending, [], 0
         groups: list[list[dict[str, Any]]] = []
         for r in rows[:-1] if last_exact else rows:  # consecutive steps with the same parameters together
-            if groups and groups[-1][0]["layout"] is r["layout"]:
+            layout = r["layout"]
+            # On a CPU, a few steps at a time: each pass over the samples then stays in the cache.
+            fits = layout.device.type != "cpu" or len(groups[-1]) * layout.size < _CPU_CHUNK if groups else False
+            if groups and groups[-1][0]["layout"] is layout and fits:
                 groups[-1].append(r)
             else:
                 groups.append([r])
@@ -367,7 +388,7 @@ class GradRecorder:
 
     def _release(self) -> None:
         """Drop every reference to the user's tensors (the trace holds numbers only)."""
-        self._params, self._live, self._act, self._last, self._before = [], [], {}, None, None
+        self._params, self._live, self._act, self._last, self._before, self._after = [], [], {}, None, None, None
         if getattr(self, "_sampler", None) is not None:
             self._sampler.release()
         self._sampler = None  # type: ignore[assignment]

@@ -79,6 +79,7 @@ def exact_job(params: list[nn.Parameter], bins: int, param_norms: bool = True) -
             stats[:, FIELD["param_norm"]] = host.pop(0)
         if not present:
             return stats, hist, rng
+        host[2] = _dead_units(grads, host[2])
         cols, counts, lo_hi = yield from _exact_columns(grads, bins, *host)
         for key, values in cols.items():
             stats[present, FIELD[key]] = values
@@ -87,22 +88,42 @@ def exact_job(params: list[nn.Parameter], bins: int, param_norms: bool = True) -
 
 
 def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-parameter reductions that need no decision on the host: norm, non-zeros, dead units, and
-    sum, L1 norm and min/max as they are for a finite gradient."""
+    """Per-parameter reductions that need no decision on the host: norm, non-zeros, live units (of
+    the gradients with units), and sum, L1 norm and min/max as they are for a finite gradient."""
     minmax = [torch.aminmax(g) for g in grads]
     # |g| summed per unit (dim 0), in float32: a unit is dead when its sum is 0, and the sums add up
     # to the L1 norm. One vectorised pass, where a != 0 mask and any() took two and a temporary.
     units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1, dtype=torch.float32) if g.dim() >= 2
-             else None for g in grads]
-    flat = iter(float_norms([g for g, u in zip(grads, units) if u is None], 1) if any(u is None for u in units) else ())
-    return [torch.stack(float_norms(grads)),
-            torch.stack([torch.count_nonzero(g) for g in grads]),
-            torch.stack([g.new_full((), math.nan) if u is None else (u == 0).sum()  # a fill, not a host copy
-                         for g, u in zip(grads, units)]),
+             else g for g in grads]  # a vector's own |g| add up to its L1 norm
+    matrices = [u for u, g in zip(units, grads) if g.dim() >= 2]
+    same = len({g.dtype for g in grads}) == 1  # one stack, one cast: not one cast per parameter
+    ends = [torch.stack([m.min for m in minmax]).float(), torch.stack([m.max for m in minmax]).float()] if same else \
+        [torch.stack([m.min.float() for m in minmax]), torch.stack([m.max.float() for m in minmax])]
+    return [torch.stack(float_norms(grads)), _nonzeros(grads),
+            # units that are not dead, of the gradients with units: one batched "0-norm" (see _dead_units)
+            torch.stack(float_norms(matrices, 0)) if matrices else grads[0].new_zeros(0),
             # float32 sums are pairwise (accurate enough for a mean) and much faster than float64 ones on CPU.
             torch.stack([g.sum(dtype=torch.float32) for g in grads]),
-            torch.stack([next(flat) if u is None else u.sum() for u in units]),
-            torch.stack([m.min.float() for m in minmax]), torch.stack([m.max.float() for m in minmax])]
+            torch.stack(float_norms(units, 1)), *ends]
+
+
+def _dead_units(grads: list[torch.Tensor], live: np.ndarray) -> np.ndarray:
+    """Units whose gradient is all zero, from the live units of the gradients with units (NaN for the others)."""
+    dead = np.full(len(grads), np.nan)
+    matrices = [j for j, g in enumerate(grads) if g.dim() >= 2]
+    dead[matrices] = np.array([grads[j].shape[0] for j in matrices], dtype=np.float64) - live
+    return dead
+
+
+def _nonzeros(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Non-zero elements (NaN and Inf included) of each gradient: one batched "0-norm" while a float32
+    holds the count exactly, ``count_nonzero`` for larger ones."""
+    if all(g.numel() < 1 << 24 for g in grads):
+        return torch.stack(float_norms(grads, 0))
+    small = [g for g in grads if g.numel() < 1 << 24]
+    counts = iter(float_norms(small, 0) if small else ())
+    return torch.stack([torch.count_nonzero(g).double() if g.numel() >= 1 << 24 else next(counts).double()
+                        for g in grads])
 
 
 def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonzero: np.ndarray, dead: np.ndarray,

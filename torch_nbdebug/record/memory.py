@@ -17,6 +17,11 @@ was freed as a temporary. We deliberately do not install saved-tensors hooks to 
 hooks switch off autograd's "modified by an inplace operation" check, which would change the
 user's program. Tensors alive before recording are
 found with the garbage collector and counted from the start.
+
+Cost (issue 11): on CPU nothing but a dispatch mode reports every allocation with its op and shape
+(no allocator history or hooks; the profiler's own memory feed costs more than the mode), so the
+mode is the floor, and the Python per op is kept to a dictionary lookup when the op allocates
+nothing new (views and in-place ops of known storages). ``bench/bench_memory.py --floors`` measures both.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import sys
 import time
 import types
 import weakref
-from typing import Any, Mapping, Optional
+from operator import attrgetter
+from typing import AbstractSet, Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -32,7 +38,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torch_nbdebug.data.memory import CATEGORIES, PHASES, Allocation, MemoryRecording
 from torch_nbdebug.data.source import SourceLine
-from torch_nbdebug.record.compat import TorchDispatchMode, current_autograd_node
+from torch_nbdebug.record.compat import (
+    EagerDispatchMode, current_autograd_node, op_output_aliases_input, storage_id_of,
+)
 from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap, deferred_interrupts
 from torch_nbdebug.record.memory_holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
@@ -45,6 +53,16 @@ PARAM, GRAD, OPT, ACT, TEMP, OTHER = range(len(CATEGORIES))
 IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
 _CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+_NO_KEYS: frozenset[Optional[int]] = frozenset()
+
+
+def _on_device_test(device_type: str) -> Callable[[torch.Tensor], bool]:
+    """A cheap "is this tensor on ``device_type``" (``tensor.device`` builds a device object per call)."""
+    if device_type in ("cpu", "cuda"):
+        return attrgetter(f"is_{device_type}")
+    return lambda tensor: tensor.device.type == device_type
 
 
 class _StorageRef(weakref.ref):
@@ -70,8 +88,11 @@ class _Record:
         self.in_graph = False  # made in forward with grad mode on: may be saved for backward
 
 
-class _AllocationMode(TorchDispatchMode):
-    """Forwards every op's outputs to the recorder; changes nothing about the op itself."""
+class _AllocationMode(EagerDispatchMode):
+    """Forwards every op's outputs to the recorder; changes nothing about the op itself.
+
+    Without dynamo's per-op wrapper (see ``EagerDispatchMode``): the recorder compiles nothing, and
+    the block runs compiled code eagerly (api.memory's CompiledCode)."""
 
     def __init__(self, recorder: "MemoryRecorder") -> None:
         super().__init__()
@@ -79,9 +100,11 @@ class _AllocationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
-        self.recorder._frees.drain()  # storages freed since the last op come before this op's
+        recorder = self.recorder
+        if recorder._freed:
+            recorder._frees.drain()  # storages freed since the last op come before this op's
         out = func(*args, **(kwargs or {}))
-        self.recorder._on_outputs(func, out, (args, kwargs))
+        recorder._on_outputs(func, out, args, kwargs)
         return out
 
 
@@ -104,10 +127,16 @@ class MemoryRecorder:
         self._forward_pending = False  # graph-building forward allocations not yet classified
         self._last_phase = IDLE
         self._line_cache: dict[tuple[types.CodeType, int], SourceLine] = {}
+        self._aliasing: dict[Any, bool] = {}  # op -> whether an output may share an input's storage
+        self._device_names: dict[int, str] = {}  # tensor.get_device() -> "cpu", "cuda:0"...
+        self._on_device = _on_device_test(device_type)
         self._exits: list[Any] = []
         self._t0 = 0
         self._tracker = ModuleTracker(namespace, on_enter=self._on_module)
         self._frees: CallbackQueue[_StorageRef] = CallbackQueue(self._on_free)
+        # The deque the callbacks append to (``callback`` is its bound ``append``): per op, testing it
+        # is cheaper than calling ``drain`` on an empty queue.
+        self._freed: Any = getattr(self._frees.callback, "__self__", self._frees)
         # Remembered weakly, without the Python callbacks of a WeakSet (see record/interrupts.py).
         self._modules: WeakIdMap[torch.nn.Module, None] = WeakIdMap()
         self._optimizers: WeakIdMap[torch.optim.Optimizer, None] = WeakIdMap()
@@ -189,7 +218,7 @@ class MemoryRecorder:
             del modules, optimizers
         else:
             tensors = []
-            find_holders(self.namespace, on_new=lambda key, tensor: tensors.append(tensor))
+            find_holders(self.namespace, on_new=lambda key, tensor: tensors.append(tensor), named=False)
         kinds = persistent_keys(*self._state_owners())
         for tensor in tensors:
             key = storage_key(tensor)
@@ -198,50 +227,74 @@ class MemoryRecorder:
             self._track(tensor, key, _CATEGORY_INDEX[kinds.get(key, "other")], IDLE, "", -1, None, None)
         del tensors
 
-    def _on_outputs(self, func: Any, out: Any, args: Any) -> None:
-        self._frees.drain()  # storages the op itself freed (an out= or resize_ op) come first
+    def _on_outputs(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        """Record the storages an op's outputs hold that were not alive before it.
+
+        Most ops return one tensor, and most outputs of views and in-place ops share a storage we
+        know: those cost a dictionary lookup. For a new storage, what the op shares (its phase, its
+        source line, its inputs' storages) is worked out once, and only when needed: inputs are read
+        only for ops whose schema says an output may alias one (a tensor that existed before
+        recording, written in place or viewed) and, outside modules, to tell a graph-building op."""
+        if self._freed:
+            self._frees.drain()  # storages the op itself freed (an out= or resize_ op) come first
         node = current_autograd_node()
         if node is not None and self._forward_pending:
             self._promote_saved()  # the backward has started: what forward made and is alive was saved
-        graph_inputs: Optional[bool] = None  # computed once, only when a new storage needs a phase
-        input_keys: Optional[set[Optional[int]]] = None
-        for tensor in tensors_in(out):
-            if tensor.device.type != self.device_type:
+        live, on_device = self._live, self._on_device
+        accumulates = node is not None and type(node).__name__ == "AccumulateGrad"
+        phase = -1  # computed once per op, only when a new storage needs it
+        line: Optional[SourceLine] = None
+        input_keys: Optional[AbstractSet[Optional[int]]] = None
+        for tensor in ((out,) if isinstance(out, torch.Tensor) else tensors_in(out)):
+            if not on_device(tensor):
                 continue
-            key = storage_key(tensor)
-            if key is None:
-                continue
-            alloc_id = self._live.get(key)
-            if alloc_id is None and input_keys is None:
-                input_keys = input_storage_keys(args)  # once per op: foreach ops have hundreds of outputs
-            if alloc_id is None and key in input_keys:
-                # An in-place op or a view of a tensor we never saw: it existed before recording.
-                alloc_id = self._track(tensor, key, OTHER, IDLE, "", -1, None, None)
-            elif alloc_id is None:
-                if graph_inputs is None:
-                    graph_inputs = builds_graph(args)
-                phase = self._phase(node, graph_inputs)
-                category = TEMP if phase != IDLE else OTHER
-                line = self._user_line() if self.record_lines else None
-                alloc_id = self._track(tensor, key, category, phase, func.__name__, None,
-                                       self._tracker.current, line)
-                if phase == FORWARD and torch.is_grad_enabled():
-                    # May be saved for backward by this op or a later one (a Linear saves its
-                    # input even when that input was made without grad): decided when backward starts.
-                    self._records[alloc_id].in_graph = True
-                    self._forward_pending = True
-            if node is not None and type(node).__name__ == "AccumulateGrad":
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                continue  # sparse, nested, functional or wrapper subclasses: no plain storage
+            key = storage_id_of(storage)
+            alloc_id = live.get(key)
+            if alloc_id is None:
+                if input_keys is None:
+                    input_keys = self._input_keys(func, args, kwargs)
+                if key in input_keys:
+                    # An in-place op or a view of a tensor we never saw: it existed before recording.
+                    alloc_id = self._track(tensor, key, OTHER, IDLE, "", -1, None, None, storage)
+                else:
+                    if phase < 0:
+                        phase = self._phase(node, args, kwargs)
+                        line = self._user_line() if self.record_lines else None
+                    alloc_id = self._track(tensor, key, TEMP if phase != IDLE else OTHER, phase, func.__name__,
+                                           None, self._tracker.current, line, storage)
+                    if phase == FORWARD and torch.is_grad_enabled():
+                        # May be saved for backward by this op or a later one (a Linear saves its
+                        # input even when that input was made without grad): decided when backward starts.
+                        self._records[alloc_id].in_graph = True
+                        self._forward_pending = True
+            if accumulates:
                 self._classify(alloc_id, GRAD)
 
+    def _input_keys(self, func: Any, args: Any, kwargs: Any) -> AbstractSet[Optional[int]]:
+        """The storages of the op's inputs when an output may share one (per its schema), else none."""
+        aliases = self._aliasing.get(func)
+        if aliases is None:
+            aliases = self._aliasing[func] = op_output_aliases_input(func)
+        return input_storage_keys((args, kwargs)) if aliases else _NO_KEYS
+
     def _track(self, tensor: torch.Tensor, key: int, category: int, phase: int, op: str,
-               start: Optional[int], module: Optional[str], line: Optional[SourceLine]) -> int:
-        storage = tensor.untyped_storage()
+               start: Optional[int], module: Optional[str], line: Optional[SourceLine],
+               storage: Any = None) -> int:
+        if storage is None:
+            storage = tensor.untyped_storage()
         alloc_id = len(self._records)
         dtype = _DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
+        device = self._device_names.get(tensor.get_device())
+        if device is None:
+            device = self._device_names[tensor.get_device()] = str(tensor.device)
         record = _Record(storage.nbytes(), tuple(tensor.shape), dtype,
-                         category, phase, module, line, op, str(tensor.device), -1 if start is None else start, key)
+                         category, phase, module, line, op, device, -1 if start is None else start, key)
         record.address = storage.data_ptr()
         # One change at a time, in an order that a Stop landing between any two leaves consistent:
         # no event names a missing record, no free callback a record without its allocation.
@@ -270,7 +323,7 @@ class MemoryRecorder:
         self._last_phase = phase
         return len(self._log) // 3 - 1
 
-    def _phase(self, node: Any, graph_inputs: bool = False) -> int:
+    def _phase(self, node: Any, args: Any, kwargs: Any) -> int:
         """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
         that extends the graph, like a loss computed outside the model), else idle."""
         if self._in_optimizer:
@@ -279,7 +332,7 @@ class MemoryRecorder:
             if self._forward_pending:
                 self._promote_saved()
             return BACKWARD
-        if self._tracker.stack or graph_inputs:
+        if self._tracker.stack or builds_graph((args, kwargs)):
             return FORWARD
         return IDLE
 
@@ -380,16 +433,16 @@ class MemoryRecorder:
         return modules, optimizers
 
     def _freeze(self, alloc_id: int, r: _Record, kinds: dict[int, str], holders: Any) -> Allocation:
-        alive = r.end is None
-        category = r.category
-        if alive and r.key in kinds:
-            category = min(category, _CATEGORY_INDEX[kinds[r.key]])
-        return Allocation(id=alloc_id, nbytes=r.nbytes, shape=r.shape, dtype=r.dtype,
-                          category=CATEGORIES[category], phase=PHASES[r.phase], start=r.start, end=r.end,
-                          module=r.module, line=r.line, op=r.op, device=r.device,
-                          holder=holders.names.get(r.key) if alive else None,
-                          has_graph=bool(holders.graphs.get(r.key, False)) if alive else False,
-                          address=r.address)
+        category, holder, has_graph = r.category, None, False
+        if r.end is None:  # alive at the end: the training state it belongs to, and who holds it
+            if r.key in kinds:
+                category = min(category, _CATEGORY_INDEX[kinds[r.key]])
+            holder, has_graph = holders.names.get(r.key), bool(holders.graphs.get(r.key, False))
+        # Field order: id, nbytes, shape, dtype, category, phase, start, end, module, line, op, device,
+        # holder, has_graph, address.
+        return Allocation.from_values(alloc_id, r.nbytes, r.shape, r.dtype, CATEGORIES[category], PHASES[r.phase],
+                                      r.start, r.end, r.module, r.line, r.op, r.device, holder, has_graph,
+                                      r.address)
 
     # -- live progress (read-only) -----------------------------------------------------------
     def progress(self) -> tuple[float, tuple[int, ...]]:

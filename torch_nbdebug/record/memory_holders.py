@@ -49,10 +49,11 @@ class Holders:
         if key is None or key in self.names:
             return
         self.names[key] = name
-        self.graphs[key] = tensor.grad_fn is not None
-        if tensor.grad_fn is not None:
-            self._graph_roots.append((name, tensor.grad_fn))
-        if self._on_new is not None and measurable(tensor):
+        grad_fn = tensor.grad_fn
+        self.graphs[key] = grad_fn is not None
+        if grad_fn is not None:
+            self._graph_roots.append((name, grad_fn))
+        if self._on_new is not None and _countable(tensor):
             self._on_new(key, tensor)
 
     def get(self, key: int) -> Optional[str]:
@@ -71,6 +72,18 @@ class Holders:
                     self.graphs[key] = False
                     saved.add(key)
         return saved
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def _countable(tensor: torch.Tensor) -> bool:
+    """``measurable`` with a fast answer for plain tensors (most of a namespace): a plain, non-nested
+    tensor with a storage key has real bytes and a shape of ints (meta, fake and symbolic shapes only
+    come with other devices or tensor subclasses, and the recorders check the device)."""
+    if type(tensor) in _PLAIN_TYPES and not tensor.is_nested and not tensor.is_meta:
+        return True
+    return measurable(tensor)
 
 
 def _walk_graphs(roots: list[tuple[str, Any]], max_nodes: int) -> Any:
@@ -101,14 +114,15 @@ def _saved_tensors(node: Any) -> list[torch.Tensor]:
 
 
 def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX_DEPTH,
-                 on_new: Optional[Callable[[int, torch.Tensor], None]] = None) -> Holders:
+                 on_new: Optional[Callable[[int, torch.Tensor], None]] = None, named: bool = True) -> Holders:
     """Name the holder of every tensor reachable from ``namespace`` (public names, then ``Out``).
 
     ``on_new(key, tensor)`` is called once per storage found whose bytes can be counted (recorders
     adopt tensors they never saw). An object that raises when we look inside it is skipped, and
     named to the namespace when it is a :class:`UserNamespace` (the tools say what they skipped).
     Every container is read up to ``MAX_CHILDREN`` entries, so a list of millions of numbers costs
-    no more than a short one.
+    no more than a short one. ``named=False`` when only the tensors matter (a recorder's start): the
+    optimizer state is then named by parameter index, without mapping every parameter to its name.
     """
     holders = Holders(on_new)
     if namespace is None:
@@ -116,7 +130,7 @@ def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX
     view = caller_namespace(namespace)
     items = [(k, v) for k, v in view.items() if not k.startswith("_") and k not in _SKIP_NAMES]
     items.sort(key=lambda kv: kv[0] == "Out")
-    param_names = _parameter_names(items)
+    param_names = _parameter_names(items) if named else {}
     queue: deque[tuple[str, Any, int]] = deque((k, v, 0) for k, v in items)
     seen: set[int] = {id(namespace)} | view.mapping_ids()  # ``ns = globals()`` must not name all ``ns[...]``
     while queue and len(seen) < MAX_VISITS:

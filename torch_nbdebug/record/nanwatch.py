@@ -10,9 +10,10 @@ Everything installed here is removed in :meth:`NanRecorder.stop`, whatever happe
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook
@@ -32,6 +33,7 @@ from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
+from torch_nbdebug.record.nanwatch_replay import Replayer, relocate, replay_call, user_line, with_forward
 from torch_nbdebug.record.nanwatch_storage import StorageRegistry
 
 _get_sequence_nr = compat.next_sequence_nr
@@ -48,8 +50,12 @@ class NanRecorder:
 
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, mode: Mode = "op",
                  backward: bool = True, optimizer: bool = True, ignore_inf: bool = False,
-                 raise_on_birth: bool = False, defer: Optional[bool] = None, max_events: int = 50) -> None:
-        self.options = WatchOptions(mode, backward, optimizer, ignore_inf, raise_on_birth, bool(defer), max_events)
+                 raise_on_birth: bool = False, defer: Optional[bool] = None, max_events: int = 50,
+                 replay: bool = False) -> None:
+        # Replay needs the immediate path (CPU) and no raising at the op (the check comes after the call).
+        replay = replay and mode == "op" and not defer and not raise_on_birth
+        self.options = WatchOptions(mode, backward, optimizer, ignore_inf, raise_on_birth, bool(defer), max_events,
+                                    replay)
         self.namespace = namespace
         self.log = EventLog(max_events, raise_on_birth)
         self.clock = Clock()
@@ -72,6 +78,13 @@ class NanRecorder:
         self._tracker: Optional[ModuleTracker] = None
         self._mode: Optional[OpWatchMode] = None
         self._suspended_mode: Optional[OpWatchMode] = None
+        self._model_off = False  # replay: the mode was taken off while a model's forward runs
+        # replay: (sequence nr, module path now) at each module boundary in forward, and the model call's
+        # line, so a backward birth names the module (and the call's line) of its forward op.
+        self._moves: list[tuple[int, Optional[str]]] = []
+        self._model_place: Optional[Place] = None
+        if self.options.replay:
+            self.modules.use_replay(Replayer(self, self._replay_watch, self.modules.module_fallback))
 
     # -- what the report reads (besides ``log``, ``layers``, ``options``, ``errors``) ---------------
     @property
@@ -100,8 +113,11 @@ class NanRecorder:
     def _install(self) -> None:
         # Our module post hook goes first so the tracker still shows the exiting module. Dynamo must
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
-        self._handles.append(register_module_forward_hook(torch.compiler.disable(self.modules.exit)))
-        self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter)
+        replay = self.options.replay
+        exit_hook = self.modules.exit_kw if replay else self.modules.exit
+        self._handles.append(register_module_forward_hook(torch.compiler.disable(exit_hook), with_kwargs=replay))
+        self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
+                                       outer=self._outer if replay else None, moved=self.module_moved)
         self._tracker.__enter__()
         if self.options.optimizer:
             self.optim = OptimizerWatch(self, self.lr, self.suspend, self.resume, self.deferred)
@@ -110,10 +126,15 @@ class NanRecorder:
         if self.options.mode == "op":
             self._mode = OpWatchMode(self._on_op, self.internal_error)
             self._mode.__enter__()
+        if replay:  # before a step changes the weights: name the backward births of the forward just run
+            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
 
     def stop(self) -> None:
         """Remove every hook and mode; read outstanding device flags (errors there are not raised)."""
         try:
+            if self.options.replay and self._mode is not None:  # while the hooks still name the modules
+                with self.log.not_raising():
+                    self.name_backward_births()
             with deferred_interrupts():  # a Stop here is raised once every hook and mode is removed
                 self._remove()
         finally:
@@ -123,7 +144,8 @@ class NanRecorder:
     def _remove(self) -> None:
         """Take off the mode and every hook; safe to run twice."""
         try:
-            self.resume()  # an optimizer step that raised left the mode suspended
+            self._model_off = False
+            self.resume()  # an optimizer step (or, with replay, a model's forward) that raised left it suspended
             if self._mode is not None:
                 mode, self._mode = self._mode, None
                 mode.__exit__(None, None, None)
@@ -149,6 +171,8 @@ class NanRecorder:
         finally:
             self.produced.clear()
             self._places.clear()
+            self._moves.clear()
+            self._model_place = None
             self.modules.forget()
             self.log.clear_keys()
 
@@ -164,6 +188,90 @@ class NanRecorder:
         mode, self._suspended_mode = self._suspended_mode, None
         if mode is not None:
             compat.push_dispatch_mode(mode)
+
+    def _outer(self, entering: bool) -> None:
+        """Replay: the per-op mode is off while a model's forward runs (its module layer watches it)."""
+        if entering:
+            if self.modules.model_calls.calls and self._mode is not None:
+                self.name_backward_births()  # a new forward: the last one's backward is done
+            self._model_place = here(None, None)
+            mode = self._mode
+            if (mode is None or self._suspended_mode is not None or self._optimizer_busy()
+                    or _current_node() is not None or not _stack_len() or _stack_at(_stack_len() - 1) is not mode):
+                return
+            compat.pop_dispatch_mode()
+            self._suspended_mode, self._model_off = mode, True
+        elif self._model_off:
+            self._model_off = False
+            self.resume()
+
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() == self.modules.thread_id and self._mode is not None:
+            self.name_backward_births()
+
+    def name_backward_births(self) -> None:
+        """Replay: a backward birth of an op run inside a model's forward (no per-op watch there) knows
+        only the module; replay that forward under the per-op watch (same arguments, weights, RNG) to
+        name its forward op and line, as the always-on watch does."""
+        calls = self.modules.model_calls
+        try:
+            events = self.log.events
+            todo = [i for i, e in enumerate(events)
+                    if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
+            for module, call, end, where in calls.calls if todo else []:
+                mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
+                if mine and not call.changed() and not compat.module_hooks_in(module):  # hooks: side effects
+                    places = self._replayed_places(module, call, where)
+                    for i in mine:
+                        place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]
+                        if place is not None:
+                            events[i] = with_forward(events[i], place)
+        except Exception as exc:  # noqa: BLE001 - the module-level answer stands
+            self.internal_error("the replay of a forward", exc)
+        finally:
+            calls.clear()
+
+    def _replayed_places(self, module: torch.nn.Module, call: Any, where: Place) -> dict[int, Place]:
+        """The forward places of a replayed call, by the original call's sequence numbers; the line the
+        replay ran from becomes the line of the original call (``where``)."""
+        log, places = self.log, self._places
+        self.log, self._places = EventLog(self.options.max_events, False), {}  # its births are known already
+        probe, start = user_line(), _get_sequence_nr()
+        try:
+            replay_call(module, call, lambda: self._replay_watch(self.clock.iteration))
+            found, replayed = self._places, self.log
+        finally:
+            self.log, self._places = log, places
+        # Forward births the replay saw thrown away (where/masked_fill) are what the always-on watch
+        # lists as absorbed: the backward birth's hint (the where trap) depends on them.
+        thrown = [replayed.events[i] for i in sorted(replayed.absorbed)]
+        relocate(thrown, 0, probe, where, call.seq - start)
+        for event in thrown:
+            log.add_absorbed(event)
+        return {seq + call.seq - start: place if (place.filename, place.lineno) != probe else
+                where._replace(op=place.op, module=place.module) for seq, place in found.items()}
+
+    @contextlib.contextmanager
+    def _replay_watch(self, iteration: int) -> Iterator[None]:
+        """The per-op watch, on for one replayed module call, as if the call ran at ``iteration``."""
+        mode, clock, optim = self._mode, self.clock, self.optim
+        saved = (self._quiet, optim.active if optim is not None else 0, clock.iteration, clock.saw_backward)
+        on_stack = any(_stack_at(i) is mode for i in range(_stack_len()))
+        self.modules.replaying = True
+        self._quiet, clock.iteration, clock.saw_backward = 0, iteration, False
+        if optim is not None:
+            optim.active = 0
+        if mode is not None and not on_stack:
+            compat.push_dispatch_mode(mode)
+        try:
+            yield
+        finally:
+            if mode is not None and not on_stack:
+                compat.pop_dispatch_mode()
+            self._quiet, active, clock.iteration, clock.saw_backward = saved
+            if optim is not None:
+                optim.active = active
+            self.modules.replaying = False
 
     # -- the WatchContext services ------------------------------------------------------------
     @contextlib.contextmanager
@@ -189,7 +297,19 @@ class NanRecorder:
         return self._tracker.current if self._tracker is not None else None
 
     def forward_place(self, seq: int) -> Optional[Place]:
-        return self._places.get(seq)
+        place = self._places.get(seq)
+        if place is None and self._moves:  # replay: an op inside a model's forward, where no mode ran
+            i = bisect.bisect_right(self._moves, (seq, "\uffff")) - 1
+            path = self._moves[i][1] if i >= 0 else None
+            if path is not None and self._model_place is not None:
+                return self._model_place._replace(module=path)
+        return place
+
+    def module_moved(self) -> None:
+        """Replay: a module call started or ended in forward (see ``forward_place``)."""
+        if len(self._moves) > _NODE_CAP:
+            del self._moves[: _NODE_CAP // 2]
+        self._moves.append((_get_sequence_nr(), self.module_path()))
 
     def keep_handle(self, handle: Any) -> None:
         self._grad_handles.append(handle)
@@ -202,6 +322,7 @@ class NanRecorder:
         checks in order; return ``extra``'s values."""
         self._quiet += 1
         try:
+            self.modules.check_kept()  # the CPU path's kept module outputs and gradients, first
             stats = self.layers.take_pending()
             pending, flags = self.deferred.take() if self.deferred is not None else ([], [])
             if not stats and not pending and not extra:
@@ -302,14 +423,28 @@ class _ThreadTracker(ModuleTracker):
     """Module hooks are global: only modules running in the watching thread enter its path stack
     (another thread's modules, under their own watch or none, would be named in our events)."""
 
-    def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]], **kw: Any) -> None:
+    def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]],
+                 outer: Optional[Callable[[bool], None]] = None, moved: Optional[Callable[[], None]] = None,
+                 **kw: Any) -> None:
         super().__init__(namespace, **kw)
         self._checks = checks
+        self._outer = outer  # replay: told when the outermost module call starts (True) and ends (False)
+        self._moved: Callable[[], None] = moved or (lambda: None)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         if self._checks.mine():
+            if self._outer is not None:
+                if not self.stack and not self._checks.replaying:
+                    self._outer(True)
+                self._checks.started(args)
             super()._pre(module, args)
+            if self._outer is not None and not self._checks.replaying:
+                self._moved()
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() == self._checks.thread_id:
             super()._post(module, args, output)
+            if self._outer is not None and not self._checks.replaying:
+                self._moved()
+                if not self.stack:
+                    self._outer(False)

@@ -33,6 +33,7 @@ class WatchOptions:
     raise_on_birth: bool = False
     defer: bool = False
     max_events: int = 50
+    replay: bool = False  # op mode: per-op watch off inside modules in forward, births there replayed
 
 
 class Clock:

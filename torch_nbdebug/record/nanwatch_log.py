@@ -68,6 +68,22 @@ class EventLog:
         if self.raise_on_birth:
             raise NanBirthError(birth_message(event), event=event)
 
+    def add_absorbed(self, event: NanEvent) -> None:
+        """A forward birth that a replay saw thrown away (the where trap), listed as absorbed."""
+        if self.full():
+            self.dropped += 1
+            return
+        self.events.append(event)
+        self.absorbed.add(len(self.events) - 1)
+
+    def renumber(self, start: int, shift: int) -> None:
+        """Events from ``start`` on were made by a replay: their forward sequence numbers move by ``shift``
+        to the original call's (the gradients of a reported forward birth stay quiet)."""
+        for seq, index in list(self._birth_seqs.items()):
+            if index >= start:
+                del self._birth_seqs[seq]
+                self._birth_seqs[seq + shift] = index
+
     @contextlib.contextmanager
     def not_raising(self) -> Iterator[None]:
         """While the watch stops (or reads flags after the user's own error): record, never raise."""

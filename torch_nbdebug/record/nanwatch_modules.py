@@ -14,12 +14,15 @@ import torch
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
+from torch_nbdebug.record import compat
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
 from torch_nbdebug.record.nanwatch_context import WatchContext
 from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
+from torch_nbdebug.record.nanwatch_kept import Kept, KeptReadings
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor
 from torch_nbdebug.record.nanwatch_params import carriers
+from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,8 +59,18 @@ class ModuleChecks:
         self._depth, self._busy = depth, busy
         self.thread_id = threading.get_ident()
         self.other_thread = False
-        self._last_exit: Optional[tuple[Any, Optional[list[float]], Any]] = None  # (weakref, values, hook)
+        # (weakref, values, hook, version) of the last output: a container returning it unchanged has its numbers
+        self._last_exit: Optional[tuple[Any, Optional[list[float]], Any, int]] = None
         self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
+        # replay=True (see use_replay): outputs and gradients are kept and checked together (nanwatch_kept).
+        # Without replay each output is read as its module exits: on a CPU that is as cheap (the same
+        # statistics ops, and reading a CPU scalar is no synchronisation), and CUDA has its deferred path.
+        self.kept: Optional[KeptReadings] = None
+        self.replayer: Optional[Replayer] = None
+        self.model_calls = ModelCalls()  # replay: the outermost calls, to name backward births' forward ops
+        self.replaying = False  # a replay runs: the module layer keeps out of it
+        self._starts: list[Start] = []  # replay: RNG state and argument versions of each running call, by depth
+        self._kwargs: dict = {}
 
     def mine(self) -> bool:
         """Module hooks are global: another thread's modules (its own watch, a worker) are not ours."""
@@ -67,17 +80,43 @@ class ModuleChecks:
         return False
 
     def enter(self, path: str, module: torch.nn.Module) -> None:
+        if self.replaying:
+            return
         if self._depth() == 1:
             self.ctx.clock.forward()
         self.layers.enter(path)
+        if self.kept is not None and self.kept.entries and getattr(module, "inplace", False) is True:
+            with self.ctx.quiet():  # it may overwrite a kept output: read what was kept first
+                self.ctx.flush()
+
+    def use_replay(self, replayer: Replayer) -> None:
+        self.kept, self.replayer = KeptReadings(), replayer
+
+    def started(self, args: Any) -> None:
+        """Replay: the forward pre-hook's view of a call (before ``enter``; depth not yet counted)."""
+        if not self.replaying:
+            del self._starts[self._depth():]
+            self._starts.append(call_start(args))
+
+    def exit_kw(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:
+        """The exit hook with the call's keyword arguments (replay needs them)."""
+        self._kwargs = kwargs
+        try:
+            self.exit(module, args, output)
+        finally:
+            self._kwargs = {}
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.mine():
+        if self.replaying or not self.mine():
             return
         try:
             self._check_exit(module, args, output)
-            if self.deferred is not None and self._depth() == 1 and not self._busy():
-                self._model_done(module, output)
+            if self._depth() == 1 and not self._busy():
+                if self.replayer is not None:  # replay now: outside any backward, the weights unchanged
+                    with self.ctx.quiet():
+                        self.ctx.flush()
+                elif self.deferred is not None:
+                    self._model_done(module, output)
         except NanBirthError:
             raise
         except Exception as exc:  # noqa: BLE001 - see OpWatchMode
@@ -107,6 +146,21 @@ class ModuleChecks:
     def forget(self) -> None:
         self._last_exit = None
         self._awaiting = None
+        self._starts.clear()
+        self.model_calls.clear()
+        if self.kept is not None:
+            self.kept.clear()
+
+    def check_kept(self) -> None:
+        """Replay: read every kept output (one transfer), in the order the modules exited: the table's
+        statistics, and a non-finite output goes to the replayer (innermost call first)."""
+        if self.kept is None or not self.kept.entries:
+            return
+        for entry in self.kept.take():
+            for path in entry.paths:
+                self.layers.take_forward(path, entry.values)
+            if self.replayer is not None and not all(math.isfinite(v) for v in entry.values):
+                self.replayer.birth(entry)
 
     def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.ctx.module_path()
@@ -116,7 +170,12 @@ class ModuleChecks:
         if t is None:
             return
         last = self._last_exit
-        if last is not None and last[0]() is t and last[1] is not None:
+        if last is not None and (last[0]() is not t or ops.version_of(t) != last[3]):
+            last = None  # another tensor, or the same one written in place (ReLU(inplace=True)): new numbers
+        if self.kept is not None:
+            self._keep_exit(path, module, args, t, last)
+            return
+        if last is not None and last[1] is not None:
             # A container returning its last child's output (Sequential, a model's head): same numbers.
             self.layers.take_forward(path, last[1])
             if last[2] is not None:
@@ -134,8 +193,34 @@ class ModuleChecks:
             if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
                 hook = _GradHook(self, path)
                 ctx.keep_handle(t.register_hook(hook))
-            self._last_exit = (weakref.ref(t), values, hook)
+            self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
             self._bound_backlog()
+
+    def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any) -> None:
+        """The replay's module layer: keep the output (no torch op here); :meth:`check_kept` reads it later."""
+        kept = self.kept
+        assert kept is not None
+        ctx = self.ctx
+        depth = self._depth()
+        start = self._starts[depth - 1] if 0 < depth <= len(self._starts) else None
+        call = capture(args, self._kwargs, start)
+        if depth == 1 and t.requires_grad:
+            self.model_calls.add(module, call, compat.next_sequence_nr(), here(None, None))
+        if last is not None and kept.entries and kept.entries[-1].tensor is t:
+            kept.entries[-1].paths.append(path)  # a container returning its last child's output
+            if last[2] is not None:
+                last[2].paths.append(path)
+            return
+        entry = kept.output(t, path, module, _float_args(args), here(path, None), ctx.clock.iteration)
+        entry.call = call
+        hook = None
+        if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
+            hook = _GradHook(self, path)
+            ctx.keep_handle(t.register_hook(hook))
+        self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
+        if kept.full():
+            with ctx.quiet():
+                ctx.flush()
 
     def _bound_backlog(self) -> None:
         """Deferred statistics are read once per forward (see ``_model_done``); code without modules
@@ -143,7 +228,13 @@ class ModuleChecks:
         if self.layers.backlog > _MAX_BACKLOG:
             self.ctx.flush()
 
-    def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
+    def module_fallback(self, entry: Kept) -> None:
+        """A kept forward call reported at module level (replay impossible or not reproducing)."""
+        assert entry.module is not None
+        self._module_birth(entry.paths[0], entry.module, entry.inputs, entry.tensor, entry.place, entry.iteration)
+
+    def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
+                      place: Optional[Place] = None, iteration: Optional[int] = None) -> None:
         log = self.ctx.log
         inner = any(e.module and e.module.startswith(path + ".") for e in log.events)
         inputs = ops.float_inputs(args, {})
@@ -156,9 +247,9 @@ class ModuleChecks:
         kind = kind_of([out])
         if self.ctx.options.ignore_inf and kind == "inf":
             return
-        place = here(path, None)
-        log.add(module_event(self.ctx, place, f"{type(module).__name__} (module output)", verdict, stats_of(inputs),
-                             out, kind, module, in_bad, self.ctx.clock.iteration))
+        log.add(module_event(self.ctx, place or here(path, None), f"{type(module).__name__} (module output)", verdict,
+                             stats_of(inputs), out, kind, module, in_bad,
+                             self.ctx.clock.iteration if iteration is None else iteration))
 
     def on_grad(self, paths: list[str], grad: torch.Tensor) -> None:
         """A gradient reached a module's output (tensor hook): table stats, and module-mode check."""
@@ -179,13 +270,28 @@ class ModuleChecks:
                 return
             if self.deferred is not None:
                 self.deferred.queue_grad(path, grad)
-            elif not all(math.isfinite(v) for v in values or ()) and judge_gradient(ctx.log.has_events()) == "birth":
-                out = stats_of([grad], 1)[0]
-                kind = kind_of([out])
-                if not (ctx.options.ignore_inf and kind == "inf"):
-                    place = Place(None, path, None, None, "<module>")
-                    ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
-                                           iteration=ctx.clock.iteration))
+            elif not all(math.isfinite(v) for v in values or ()):
+                self._grad_birth(path, grad, ctx.clock.iteration)
+
+    def _grad_birth(self, path: str, grad: torch.Tensor, iteration: int) -> None:
+        """Module mode: a non-finite gradient into a module output, a birth when nothing came before."""
+        ctx = self.ctx
+        if judge_gradient(ctx.log.has_events()) != "birth":
+            return
+        out = stats_of([grad], 1)[0]
+        kind = kind_of([out])
+        if not (ctx.options.ignore_inf and kind == "inf"):
+            place = Place(None, path, None, None, "<module>")
+            ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
+                                   iteration=iteration))
+
+
+def _float_args(args: Any) -> tuple[torch.Tensor, ...]:
+    """``ops.float_inputs`` of a module's positional arguments, without a tree walk for plain tensors."""
+    if isinstance(args, tuple) and all(isinstance(a, torch.Tensor) or not isinstance(a, (list, tuple, dict))
+                                       for a in args):
+        return tuple(a for a in args if isinstance(a, torch.Tensor) and ops.checkable(a))[:32]
+    return tuple(ops.float_inputs(args, {}))
 
 
 class _GradHook:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from torch_nbdebug.record.compat import op_arguments, tree_leaves
+from torch_nbdebug.record.compat import op_arguments, tensor_version, tree_leaves
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
@@ -169,6 +169,11 @@ def propagating_sum(t: torch.Tensor) -> torch.Tensor:
 def sum_value(t: torch.Tensor) -> float:
     """The propagating sum read back as a Python float (CPU: no device synchronisation)."""
     return propagating_sum(t).item()
+
+
+def version_of(t: torch.Tensor) -> int:
+    """The version counter (bumped by in-place writes); -1 for an inference tensor, which has none."""
+    return -1 if t.is_inference() else tensor_version(t)
 
 
 def read_together(tensors: Sequence[torch.Tensor]) -> list[list[float]]:

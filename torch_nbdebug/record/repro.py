@@ -6,6 +6,9 @@ same run, unchanged since, is recorded as a reference to that op's output instea
 again. Views read no data and make none, so their outputs are references too (kept under the
 version counter they share with their base, and by what they alias for the copy autograd passes on).
 Memory from ``torch.empty``-like ops is tracked until fully written: an op that reads it first is marked.
+Copies (``clone``, ``cat``, ``_to_copy``) are not read: equal inputs make equal copies. Ops inside an
+optimizer step take a short path (``_optimizer_op``): compared by name, scalars and output count, not
+read, except random ops and those PyTorch lists as nondeterministic.
 
 The second run also records where each op ran (module, user line; for backward ops the forward op
 that made the node) and, through ``check``, stops recording at the first difference it explains.
@@ -25,10 +28,12 @@ from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
                                             scalars_key)
+from torch_nbdebug.record.repro_write import write_out_of_place
 from torch_nbdebug.record.source import user_frame
 
 Slot = Any  # ("fp" | "fpd", index, shape, dtype) | ("ref", op, k) | ("mark", text) | None
 _FLUSH_EVERY = 64
+_COPY: Slot = ("mark", "a copy of its input")
 
 
 class _Mode(TorchDispatchMode):
@@ -42,7 +47,9 @@ class _Mode(TorchDispatchMode):
 
 class ReproRecorder:
     """Records one run. ``labels`` names state tensors by id; ``before_write`` is called with each
-    tensor an op is about to write (copy-on-write snapshots); ``check(traces)`` returns True to stop."""
+    tensor an op is about to write (copy-on-write snapshots), unless ``movable`` says the op's
+    out-of-place twin may write it and ``move`` gives it the result (see repro_write);
+    ``check(traces)`` returns True to stop."""
 
     read_at_once: tuple[str, ...] = ("cpu",)  # devices whose fingerprints are read per op (no sync to wait)
 
@@ -50,7 +57,9 @@ class ReproRecorder:
                  before_write: Optional[Callable[[torch.Tensor], None]] = None, places: bool = False,
                  check: Optional[Callable[[Sequence[OpTrace]], bool]] = None,
                  pristine: Optional[Callable[[torch.Tensor], bool]] = None,
-                 restored: Optional[set[str]] = None) -> None:
+                 restored: Optional[set[str]] = None,
+                 movable: Optional[Callable[[torch.Tensor], bool]] = None,
+                 move: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         self.labels = labels or {}
         # The first read of a state tensor no op has written yet (``pristine``) sees the snapshot's
         # value, and so does the same read in run 2 (``restored``: what run 1 read so): both runs
@@ -66,6 +75,7 @@ class ReproRecorder:
         self.cuda_used = False
         self.errors: list[str] = []
         self._before_write, self._want_places, self._check = before_write, places, check
+        self._movable, self._move = movable, move
         self._raw: list[tuple[Any, ...]] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._values: list[FingerprintValue] = []         # CPU fingerprints, read at once
@@ -141,23 +151,24 @@ class ReproRecorder:
         info = op_info(func)
         if self.stopped or info.skip:
             return func(*args, **kwargs)
+        if self._optimizer_depth and info.light and not self._uninit:
+            return self._optimizer_op(info, func, args, kwargs)
         index = len(self.traces) + len(self._raw)
         phase = self._phase()
         # Optimizer steps are elementwise: deterministic given their inputs (the gradients, compared in
         # backward; the restored state) and their scalars, which are still compared. Their outputs are
         # not fingerprinted (a pass over every parameter and moment), except for the ops PyTorch lists
-        # as nondeterministic. A parameter a step wrote is fingerprinted when it is next read.
-        light = phase == "optimizer" and not info.maybe_nondeterministic
+        # as nondeterministic and random ops. A parameter a step wrote is fingerprinted when it is next read.
+        light = phase == "optimizer" and info.light
         named = named_tensors(info, args, kwargs)
         reads = [(n, t) for n, t in named if n.split("[")[0] not in info.overwrites] if info.overwrites else named
         inputs, origins = self._inputs(info, reads, light)
         uninit = self._uninit_read(info, reads)
-        if self._before_write is not None and info.writes:
-            for name, t in named:
-                if name.split("[")[0] in info.writes:
-                    self._before_write(t)
         seq = next_sequence_nr() if self._want_places and phase == "forward" else None
-        out = func(*args, **kwargs)
+        if info.writes:
+            out = self._write(info, func, args, kwargs, named)
+        else:
+            out = func(*args, **kwargs)
         outputs = self._outputs(info, index, out, named, light)
         device = self._device(named, out)
         self._raw.append((info, phase, scalars_key(args, kwargs), inputs, outputs, tuple([n for n, _ in reads]),
@@ -166,6 +177,49 @@ class ReproRecorder:
         if len(self._raw) >= _FLUSH_EVERY:
             self.flush()
         return out
+
+    def _optimizer_op(self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op of an optimizer step, on the short path (a step runs ~10 ops per parameter): its name,
+        scalars and output count are compared; its inputs are the gradients (compared as backward's
+        outputs) and the restored state, its outputs are not read (see ``light`` in :meth:`on_op`).
+        What the step writes is still saved first (copy-on-write) and forgotten afterwards."""
+        written: list[torch.Tensor] = []
+        if info.writes:
+            named = named_tensors(info, args, kwargs)
+            written = [t for n, t in named if n.split("[")[0] in info.writes]
+            out = self._write(info, func, args, kwargs, named)
+        else:
+            out = func(*args, **kwargs)
+        made = [out] if isinstance(out, torch.Tensor) else \
+            [t for t in (out if isinstance(out, (list, tuple)) else ()) if isinstance(t, torch.Tensor)]
+        made += [w for w in written if not any(w is t for t in made)]
+        known, views, writes = self._known, self._views, self._writes
+        for t in made:
+            known.pop(tensor_key(t), None)  # a tensor made or written here is read afresh by later ops
+            if views:  # views of memory written here are stale
+                key = storage_key(t)
+                writes[key] = writes.get(key, 0) + 1
+        device = self._device((), made[0] if made else None)
+        self._raw.append((info, "optimizer", scalars_key(args, kwargs), (), (("mark", "optimizer"),) * len(made),
+                          (), (), None, device))
+        if self._want_places:
+            self.places.append(self._place("optimizer"))
+        if len(self._raw) >= _FLUSH_EVERY:
+            self.flush()
+        return out
+
+    def _write(self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               named: list[tuple[str, torch.Tensor]]) -> Any:
+        """Run an op that writes some of its arguments in place, state it writes saved first: moved
+        when its first write can be computed out of place (repro_write), else copied (copy-on-write)."""
+        if self._move is not None and self._movable is not None and info.twin is not None and \
+                write_out_of_place(info, args, kwargs, named, self._movable, self._move):
+            return args[0] if info.returns_self else None
+        if self._before_write is not None:
+            for name, t in named:
+                if name.split("[")[0] in info.writes:
+                    self._before_write(t)
+        return func(*args, **kwargs)
 
     def _phase(self) -> Phase:
         if self._optimizer_depth:
@@ -256,13 +310,16 @@ class ReproRecorder:
                 slots.append(("mark", "optimizer"))
                 self._known.pop(tensor_key(t), None)
                 continue
+            elif info.copies:  # its inputs were compared: equal inputs, equal copies
+                slot = _COPY
             else:
                 slot = self._fingerprint(t)
             slots.append(slot)
             # The version of a tensor written in place is bumped after this mode returns (by the
             # ADInplaceOrView kernel above us): remember the version the next op will see.
             bump = 1 if written and any(t is w for w in written) else 0
-            self._remember(t, slot if slot is None or slot[0] not in ("fp", "fpd") else ("ref", index, k), bump)
+            made = slot is _COPY or (slot is not None and slot[0] in ("fp", "fpd"))
+            self._remember(t, ("ref", index, k) if made else slot, bump)
         self._mark_written(info, named, tensors)
         return slots
 

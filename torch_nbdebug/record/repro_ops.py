@@ -22,6 +22,16 @@ _RANDOM_NAMES = frozenset({"bernoulli", "bernoulli_", "normal", "normal_", "unif
                            "randint", "randperm", "rand_like", "randn_like", "randint_like", "multinomial",
                            "native_dropout", "dropout", "random_", "exponential_", "geometric_", "cauchy_",
                            "log_normal_", "poisson", "rrelu_with_noise"})
+# Ops whose outputs are their inputs' values moved or converted, deterministically on every device:
+# when the inputs agreed the outputs agree, so they are not read again (AccumulateGrad's layout
+# clone of a gradient, reshape's ``_unsafe_view``, ``.to()``, ``torch.cat``).
+_COPIES = frozenset({"clone", "_unsafe_view", "_to_copy", "copy", "copy_", "cat", "stack", "_reshape_copy",
+                     "view_copy", "expand_copy", "permute_copy", "t_copy", "transpose_copy", "slice_copy",
+                     "select_copy", "unsqueeze_copy", "squeeze_copy", "detach_copy", "alias_copy"})
+# In-place elementwise ops (optimizers' updates) whose out-of-place twin computes the same values
+# with the same kernel: run 1's first write of a parameter goes to new memory through it.
+_TWINS = frozenset({"add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv", "_foreach_add", "_foreach_sub",
+                    "_foreach_mul", "_foreach_div", "_foreach_lerp", "_foreach_addcmul", "_foreach_addcdiv"})
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -40,6 +50,10 @@ class OpInfo:
     lift: bool                     # torch.tensor / from_numpy: Python data becoming a tensor
     skip: bool = False             # profiler markers (record_function): not computation
     maybe_nondeterministic: bool = False  # listed as nondeterministic on some device
+    light: bool = False            # inside an optimizer step, outputs not read: same inputs, same output
+    copies: bool = False           # outputs are the inputs' values moved or converted (clone, cat, _to_copy)
+    twin: Any = None               # the out-of-place overload of an in-place elementwise op (mul for mul_)
+    returns_self: bool = False     # an in-place op that returns what it wrote (mul_; _foreach_mul_ returns None)
 
 
 _cache: dict[Any, OpInfo] = {}
@@ -62,10 +76,28 @@ def _read_info(func: Any) -> OpInfo:
     is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     tags = getattr(func, "tags", ())
     random = torch.Tag.nondeterministic_seeded in tags or base in _RANDOM_NAMES
+    maybe_nondeterministic = base in NONDETERMINISTIC_OPS
+    empty, lift = base in _EMPTY, base.startswith("lift")
     return OpInfo(name=name, base=base, arg_names=tuple(a.name for a in args), writes=writes,
-                  overwrites=overwrites, is_view=is_view, random=random, empty=base in _EMPTY,
-                  lift=base.startswith("lift"), skip=name.startswith("profiler."),
-                  maybe_nondeterministic=base in NONDETERMINISTIC_OPS)
+                  overwrites=overwrites, is_view=is_view, random=random, empty=empty, lift=lift,
+                  skip=name.startswith("profiler."), maybe_nondeterministic=maybe_nondeterministic,
+                  light=not (maybe_nondeterministic or random or empty or lift or is_view),
+                  copies=base in _COPIES and not is_view, twin=_twin(name, base, args, writes),
+                  returns_self=bool(returns))
+
+
+def _twin(name: str, base: str, args: list[Any], writes: frozenset[str]) -> Any:
+    """``aten.mul.Tensor`` for ``aten.mul_.Tensor``: same arguments, returns new tensors; None for ops
+    outside ``_TWINS``."""
+    if writes != {"self"} or not base.endswith("_") or base[:-1] not in _TWINS or not name.startswith("aten."):
+        return None
+    packet = getattr(torch.ops.aten, base[:-1], None)
+    twin = getattr(packet, name.split(".")[2], None) if packet is not None else None
+    if twin is None or [a.name for a in op_arguments(twin)] != [a.name for a in args]:
+        return None
+    if any(r.alias_info is not None for r in op_returns(twin)):
+        return None
+    return twin
 
 
 def named_tensors(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -156,7 +188,8 @@ def _sample(d: torch.Tensor, flat: Optional[torch.Tensor]) -> Optional[torch.Ten
         return None
     if flat is None:  # gaps or overlaps: a few rows and columns of each dimension
         flat = d[tuple(slice(None, None, max(1, n // 4)) for n in d.shape)].reshape(-1)
-    return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+    step = max(1, flat.numel() // SAMPLE)
+    return flat[: step * SAMPLE: step]  # one slice: the same values as [::step][:SAMPLE]
 
 
 def fingerprint_parts(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

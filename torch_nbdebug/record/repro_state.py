@@ -3,7 +3,9 @@
 Tensors are saved copy-on-write: cloned just before the first op of run 1 that writes them
 (``before_write``), so a large dataset tensor the cell only reads costs nothing, and restored under
 ``no_grad`` with the user's tensors keeping their identity. A parameter that alone owns its memory
-is not copied back: run 1 writes the clone and the parameter gets its own memory back. A tensor only an
+is not copied back: run 1 writes the clone and the parameter gets its own memory back; when run 1's
+first write of it is an optimizer's elementwise update, that write is computed out of place into new
+memory instead of cloning first (``movable``/``move``, see repro_write.py). A tensor only an
 optimizer's state holds (Adam's moments) is restored by value, as ``load_state_dict`` would: its clone
 takes its place in the restored state. Other tensors are copied back with ``copy_``. Optimizers' other
 state, LR schedulers and gradient scalers are restored through copies of their state. Random generators
@@ -244,6 +246,24 @@ class StateSnapshot:
                     live.set_(live.clone())
                 else:
                     self._saved.extend((t, t.detach().clone()) for t in tensors)
+
+    def movable(self, tensor: torch.Tensor) -> bool:
+        """Whether run 1's first write of ``tensor`` may go to new memory the tensor then takes (see
+        :meth:`move`): a parameter alone on its memory (``_movable``), not saved yet."""
+        tensors = self._cow.get(storage_key(tensor))  # type: ignore[arg-type]
+        return tensors is not None and len(tensors) == 1 and tensors[0] is tensor and \
+            id(tensor) not in self._optimizer_only and _movable(tensor)
+
+    def move(self, tensor: torch.Tensor, new: torch.Tensor) -> None:
+        """Save a :meth:`movable` parameter by giving it ``new`` (its first write, computed out of
+        place): its own memory, left as it was, is the snapshot, given back in ``restore``; no copy.
+
+        Optimizer moments are copied instead: moving them would leave the state in the memory it had
+        and free run 1's, which glibc then returns to the system (the next run faults it in again);
+        their copies take their place in the restored state and the old memory is reused."""
+        self._cow.pop(storage_key(tensor), None)  # type: ignore[arg-type]
+        self._moved.append((tensor, tensor.detach()))
+        tensor.set_(new)
 
     def pristine(self, tensor: torch.Tensor) -> bool:
         """Whether no op has written ``tensor`` yet (its copy-on-write copy is still to be taken)."""

@@ -19,7 +19,13 @@ _CAUSE_TEXT = {
     "nondeterministic_op": "same inputs, different output (a nondeterministic kernel)",
     "unknown": "no op explains it",
 }
-_STATUS_COLOR = {"ok": "#1a7f37", "warn": "#b35900", "info": "#57606a"}
+# Colours follow JupyterLab's theme variables; the fallbacks (after the comma) are for viewers with no
+# JupyterLab stylesheet (GitHub, plain HTML). A sanitizer that drops `var()` (JupyterLab, untrusted)
+# drops only that declaration: the text then takes the page's own colours, which suit its theme.
+_MUTED = "var(--jp-ui-font-color2, #57606a)"
+# Translucent grey: a code chip reads on a light and on a dark page alike.
+_CODE_BG = "var(--jp-layout-color2, rgba(127, 127, 127, 0.12))"
+_STATUS_COLOR = {"ok": "#1a7f37", "warn": "#b35900", "info": _MUTED}
 
 
 def _where(first: ReproOp) -> str:
@@ -70,14 +76,14 @@ def report_text(summary: ReproSummary, finished: bool = True) -> str:
 
 
 def _row(label: str, value: str) -> str:
-    return (f'<tr><th style="text-align:left;padding:2px 8px 2px 0;vertical-align:top;font-weight:600">'
-            f'{esc(label)}</th><td style="padding:2px 0">{value}</td></tr>')
+    return (f'<tr><th style="text-align:left;padding:2px 8px 2px 0;vertical-align:top;font-weight:600;'
+            f'white-space:nowrap">{esc(label)}</th><td style="text-align:left;padding:2px 0">{value}</td></tr>')
 
 
 def _first_rows(first: ReproOp) -> list[str]:
     rows = [_row("first difference", f"<code>{esc(first.op)}</code> at {esc(_where(first))}")]
     if first.line:
-        rows.append(_row("your line", f'<code style="background:#f6f8fa;padding:1px 4px">{esc(first.line)}</code>'))
+        rows.append(_row("your line", f'<code style="background:{_CODE_BG};padding:1px 4px">{esc(first.line)}</code>'))
     if first.input:
         rows.append(_row("input that differed", esc(first.input)))
     if first.allocated_at:
@@ -90,7 +96,7 @@ def _preflight_rows(summary: ReproSummary) -> list[str]:
     rows = []
     for item in summary.preflight:
         color = _STATUS_COLOR[item.status]
-        advice = f' <span style="color:#57606a">- {esc(item.advice)}</span>' if item.advice and item.status == "warn" else ""
+        advice = f' <span style="color:{_MUTED}">- {esc(item.advice)}</span>' if item.advice and item.status == "warn" else ""
         rows.append(f'<li><span style="color:{color};font-weight:600">{esc(item.status)}</span> '
                     f'{esc(item.name)} = <code>{esc(item.value)}</code>{advice}</li>')
     return rows
@@ -116,7 +122,7 @@ def report_html(summary: ReproSummary, finished: bool = True) -> str:
         parts.append('<details style="margin-top:4px"><summary>preflight: settings that decide determinism'
                      '</summary><ul style="margin:2px 0 2px 18px;padding:0">' + "".join(preflight) + "</ul></details>")
     if summary.notes:
-        parts.append('<ul style="margin:4px 0 0 18px;padding:0;color:#57606a">'
+        parts.append(f'<ul style="margin:4px 0 0 18px;padding:0;color:{_MUTED}">'
                      + "".join(f"<li>{esc(n)}</li>" for n in summary.notes) + "</ul>")
     parts.append("</div>")
     return "".join(parts)

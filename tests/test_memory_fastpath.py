@@ -1,0 +1,139 @@
+"""memory_timeline's cheap paths (issue 11) keep the timeline exact: which ops read their inputs,
+what a view or an in-place op of a known storage costs, and the data built without per-field setattr."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import pickle
+import subprocess
+import sys
+import textwrap
+from types import FrameType
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from torch_nbdebug import memory_timeline
+from torch_nbdebug.data.memory import Allocation
+from torch_nbdebug.data.source import SourceLine
+from torch_nbdebug.record.compat import op_output_aliases_input
+from torch_nbdebug.record.memory import MemoryRecorder, _AllocationMode
+from torch_nbdebug.record.memory_holders import find_holders
+from torch_nbdebug.record.tensors import storage_key
+
+aten = torch.ops.aten
+
+
+def test_allocation_from_values_is_the_constructors_allocation() -> None:
+    values = (3, 4096, (32, 32), "float32", "activations", "forward", 7, None, "model.0",
+              SourceLine("<cell>", 2, "<module>", "y = model(x)"), "mm.default", "cpu", "y", True, 1234)
+    built, constructed = Allocation.from_values(*values), Allocation(*values)
+    assert built == constructed and hash(built) == hash(constructed)
+    assert built.to_dict() == constructed.to_dict()
+    assert pickle.loads(pickle.dumps(built)) == constructed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.nbytes = 0  # type: ignore[misc]
+    assert [getattr(built, f.name) for f in dataclasses.fields(Allocation)] == list(values)
+
+
+def test_the_schema_tells_which_ops_may_return_an_input_storage() -> None:
+    for op in (aten.add_.Tensor, aten.view.default, aten.t.default, aten.split.Tensor, aten.mm.out,
+               aten.detach.default, aten._unsafe_view.default, aten.alias.default):
+        assert op_output_aliases_input(op), op  # views, in-place, out=, and aliases without annotation
+    for op in (aten.add.Tensor, aten.mm.default, aten.clone.default, aten.empty.memory_format, aten.sqrt.default):
+        assert not op_output_aliases_input(op), op
+    assert op_output_aliases_input(lambda: None)  # no schema: the inputs are read, always right
+
+
+def test_aliases_of_a_tensor_never_seen_are_not_new_allocations() -> None:
+    """A tensor out of the namespace's reach, viewed by ops whose schema says so and by ``_unsafe_view``
+    (which does not say so): it existed before recording; only the functional op allocates."""
+    gc.collect()
+    hidden = torch.zeros(2500)
+    with memory_timeline({}, device="cpu") as tl:
+        aten._unsafe_view.default(hidden, [50, 50])
+        aten.alias.default(hidden)
+        hidden.view(50, 50).add_(1)
+        doubled = hidden * 2
+    made = [a for a in tl.allocations if a.start >= 0]
+    assert [(a.op, a.nbytes) for a in made] == [("mul.Tensor", 10_000)]
+    assert [a.nbytes for a in tl.allocations if a.start == -1 and a.nbytes == 10_000] == [10_000]
+    assert tl.final_bytes - tl.start_bytes == 10_000
+    del doubled
+
+
+def _our_calls(fn: Callable[[], Any]) -> list[str]:
+    """Names of the torch_nbdebug functions that run while ``fn()`` runs (Python calls only)."""
+    calls: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and "torch_nbdebug" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_views_and_inplace_ops_of_known_storages_cost_a_lookup() -> None:
+    unseen = torch.zeros(10)  # made before recording, in no namespace
+    with MemoryRecorder({}, device_type="cpu"):
+        x = torch.ones(1000)
+        view = _our_calls(lambda: x.view(10, 100))
+        inplace = _our_calls(lambda: x.add_(1))
+        fresh = _our_calls(lambda: x * 2)
+        unseen_inplace = _our_calls(lambda: unseen.add_(1))
+    assert view == inplace == ["__torch_dispatch__", "_on_outputs"]
+    assert "input_storage_keys" not in fresh and "_track" in fresh  # a functional op: no input walk
+    assert "input_storage_keys" in unseen_inplace and "_track" in unseen_inplace  # adopted as pre-existing
+
+
+def test_the_recorders_mode_runs_without_dynamos_per_op_wrapper() -> None:
+    # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless told not to: two more
+    # Python frames per op. The recorder's own function must be what the dispatcher calls.
+    assert vars(_AllocationMode)["__torch_dispatch__"].__qualname__ == "_AllocationMode.__torch_dispatch__"
+
+
+def test_dynamo_never_compiles_the_recorder_when_torch_compile_is_first_used_inside() -> None:
+    """Without the per-op wrapper, the handler's code object tells dynamo to skip it and what it calls:
+    a model compiled and run inside the block runs eagerly, and none of the recorder is traced. A fresh
+    interpreter, so dynamo is first loaded inside the block; the recorder itself does not import it."""
+    code = textwrap.dedent("""
+        import sys, torch, torch_nbdebug as nb
+        from torch import nn
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        with nb.memory_timeline({}, device="cpu") as tl:
+            (torch.ones(3) * 2).sum()
+            assert "torch._dynamo" not in sys.modules, "the recorder imported dynamo"
+            model = torch.compile(net, backend="aot_eager")
+            model(torch.randn(3, 4)).sum().backward()
+        from torch._dynamo.utils import counters
+        from torch._dynamo.convert_frame import input_codes
+        assert not counters["frames"], dict(counters["frames"])  # no frame compiled, ours or the user's
+        seen = {c.co_name for c in (r() for r in list(input_codes.seen)) if c is not None}
+        assert not seen & {"__torch_dispatch__", "_on_outputs", "_track", "_input_keys"}, seen
+        assert "ran eagerly" in tl.note and any(a.op == "addmm.default" for a in tl.allocations)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_start_walk_finds_the_same_tensors_without_names() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ns = {"model": model, "opt": opt, "batches": [torch.ones(5), {"x": torch.zeros(2)}]}
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    named, unnamed = find_holders(ns), find_holders(ns, named=False)
+    assert set(named.names) == set(unnamed.names)
+    assert len(named.names) == 2 * len(list(model.parameters())) + len(state) + 2  # params, grads, state, batches
+    exp_avg = storage_key(opt.state[model[0].weight]["exp_avg"])
+    assert named.names[exp_avg] == "opt.state[model.0.weight]['exp_avg']"
+    assert unnamed.names[exp_avg] == "opt.state[param0]['exp_avg']"  # by index: names are not needed at the start
