@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_grads import STEPS, small_gpt, variants  # noqa: E402
 from models import GPT, lm_loss, training_step  # noqa: E402
-from timing import interleave  # noqa: E402
+from timing import cuda_syncs, interleave  # noqa: E402
 from torch_nbdebug.api.grads import record_gradients  # noqa: E402
 
 
@@ -53,15 +52,7 @@ def synchronisations(dev: str) -> tuple[int, int]:
 
 def _count(dev: str, block: Callable[[], None]) -> int:
     if dev.startswith("cuda"):
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                block()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+        return cuda_syncs(block)
     sys.path.insert(0, str(ROOT / "tests"))
     from host_syncs import counting_host_syncs  # the counter of tests/test_grads_cost.py
 

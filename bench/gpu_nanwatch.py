@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nanwatch import watchers  # noqa: E402
 from models import GPT, lm_loss, small_gpt, training_step  # noqa: E402
-from timing import interleave  # noqa: E402
+from timing import cuda_syncs, interleave  # noqa: E402
 from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
 
 
@@ -80,15 +80,7 @@ def count_syncs(dev: str, mode: str) -> tuple[int, int]:
         training_step(opt, lambda: lm_loss(gpt, idx[:, :-1], idx[:, 1:]))
 
     def counted() -> int:
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+        return cuda_syncs(step)
 
     step()
     plain = counted()

@@ -100,3 +100,20 @@ def interleave(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: in
         if budget_s is not None and time.perf_counter() - start > budget_s:
             break
     return timings
+
+
+def cuda_syncs(block: Callable[[], Any]) -> int:
+    """How many host synchronisations ``block`` makes on CUDA (torch's sync debug mode warns at each)."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            block()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())

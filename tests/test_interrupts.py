@@ -158,12 +158,13 @@ def test_cudamem_stops_and_shows_the_partial_timeline(shell: Any) -> None:
 def test_nanwatch_stops_and_stores_the_partial_report(shell: Any) -> None:
     from torch_nbdebug.api.nanwatch import NanReport
 
-    reports: list[int] = []
+    reports: list[Any] = []  # the reports themselves: a dead report's id can be reused by the next one
 
     def check(k: int, shown: list[Any]) -> None:
         report = shell.user_ns.get("_nanwatch")
-        assert isinstance(report, NanReport) and id(report) not in reports, f"trial {k}: no new _nanwatch"
-        reports.append(id(report))
+        new = isinstance(report, NanReport) and all(report is not seen for seen in reports)
+        assert new, f"trial {k}: no new _nanwatch"
+        reports.append(report)
         assert shown == [report], f"trial {k}: shown {shown!r}"
 
     _interrupt_each_time(shell, "%%nanwatch\n" + LOOP, check)
@@ -215,12 +216,13 @@ def test_repro_stops_and_shows_the_partial_report(shell: Any) -> None:
     so far is shown and stored in ``_repro``."""
     from torch_nbdebug.api.repro import ReproReport
 
-    reports: list[int] = []
+    reports: list[Any] = []  # the reports themselves: a dead report's id can be reused by the next one
 
     def check(k: int, shown: list[Any]) -> None:
         report = shell.user_ns.get("_repro")
-        assert isinstance(report, ReproReport) and id(report) not in reports, f"trial {k}: no new _repro"
-        reports.append(id(report))
+        new = isinstance(report, ReproReport) and all(report is not seen for seen in reports)
+        assert new, f"trial {k}: no new _repro"
+        reports.append(report)
         assert shown == [report], f"trial {k}: shown {shown!r}"
 
     _interrupt_each_time(shell, "%%repro\n" + LOOP, check)
