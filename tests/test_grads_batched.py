@@ -63,8 +63,8 @@ def _ratio(before: torch.Tensor, after: torch.Tensor) -> float:
     return float((after - before).norm() / before.norm())
 
 
-@pytest.mark.parametrize("touch", [False, True])
-def test_update_ratio_is_measured_from_the_weights_the_step_started_from(touch: bool) -> None:
+@pytest.mark.parametrize("touch", [False, True, "data"])
+def test_update_ratio_is_measured_from_the_weights_the_step_started_from(touch: object) -> None:
     """The weights sampled after a step serve as the next step's "before" only while unchanged: a
     change between steps (here a clamp the user applies) must not count in the next update ratio."""
     torch.manual_seed(0)
@@ -79,7 +79,9 @@ def test_update_ratio_is_measured_from_the_weights_the_step_started_from(touch: 
             before = model.weight.detach().clone()
             opt.step()
             expected.append(_ratio(before, model.weight.detach()))
-            if touch:
+            if touch == "data":  # through .data: no version counter moves (weight clipping, EMA swaps)
+                model.weight.data.mul_(0.5)
+            elif touch:
                 with torch.no_grad():
                     model.weight.mul_(0.5)
     ratios = [rec.layer(0, s).param("weight").update_ratio for s in range(3)]

@@ -185,3 +185,27 @@ def test_copies_are_not_read_again_but_their_sources_are() -> None:
     total = torch.zeros(3)  # outside the snapshot, changed by the previous run
     report = repro(lambda: total.add_(1.0).clone().sum())
     assert report.cause == "external" and report.first.op == "aten.add_.Tensor"
+
+
+def test_sparse_gradients_agree_run_after_run() -> None:
+    """A sparse gradient cannot be fingerprinted, so its copies must not be remembered by address either:
+    a later sparse tensor at the same address once matched the stale entry ("external" on identical runs)."""
+    differed = []
+    for trial in range(8):
+        torch.manual_seed(trial)
+        model = nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)
+        x = torch.randint(0, 10, (6,))
+
+        def cell() -> None:
+            for _ in range(2):
+                loss = model(x).pow(2).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+        cell()
+        report = repro(cell, state=(model, opt))
+        if not report.identical:
+            differed.append((trial, report.cause, report.first))
+    assert differed == []

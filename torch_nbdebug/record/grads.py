@@ -111,7 +111,6 @@ class GradRecorder:
         self._steps = 0
         self._hist_every = 1
         self._before: Optional[torch.Tensor] = None
-        self._after: Optional[tuple[Any, torch.Tensor, list[int]]] = None  # the last step's weights, sampled
         self._kept = 0  # sample elements held by the pending rows
         self._last: Optional[list[tuple[Any, int]]] = None
         self.trace: Optional[GradTrace] = None
@@ -228,8 +227,9 @@ class GradRecorder:
         row = row or self._record("optimizer")
         if row is not None:
             with torch.no_grad():
-                same = self._unchanged_since_last_step(row)
-                self._before = same if same is not None else self._gather_params(row)
+                # Gathered again each step: writes through ``p.data`` (clipping, EMA swaps) change the
+                # weights without bumping any version, so the last step's "after" cannot stand in.
+                self._before = self._gather_params(row)
 
     def _after_step(self, opt: Any) -> None:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
@@ -237,22 +237,11 @@ class GradRecorder:
         row = self._pending[-1]
         with torch.no_grad():  # reduced with the row at the next flush: no work per parameter now
             row["before"], row["after"] = self._before, self._gather_params(row)
-        self._after = (row["layout"], row["after"], [compat.tensor_version(self._params[i]) for i in row["present"]])
         self._kept += 2 * row["layout"].size
         self._before = None
 
     def _gather_params(self, row: dict[str, Any]) -> torch.Tensor:
         return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"])
-
-    def _unchanged_since_last_step(self, row: dict[str, Any]) -> Optional[torch.Tensor]:
-        """The sample of the weights taken after the last step, when no weight changed since (their
-        versions say so): it is this step's "before", and gathering it again would copy the same values."""
-        if self._after is None or self._after[0] is not row["layout"]:
-            return None
-        layout, after, versions = self._after
-        self._after = None
-        same = all(compat.tensor_version(self._params[i]) == v for i, v in zip(row["present"], versions))
-        return after if same else None
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
@@ -388,7 +377,7 @@ class GradRecorder:
 
     def _release(self) -> None:
         """Drop every reference to the user's tensors (the trace holds numbers only)."""
-        self._params, self._live, self._act, self._last, self._before, self._after = [], [], {}, None, None, None
+        self._params, self._live, self._act, self._last, self._before = [], [], {}, None, None
         if getattr(self, "_sampler", None) is not None:
             self._sampler.release()
         self._sampler = None  # type: ignore[assignment]

@@ -310,7 +310,7 @@ class ReproRecorder:
                 slots.append(("mark", "optimizer"))
                 self._known.pop(tensor_key(t), None)
                 continue
-            elif info.copies:  # its inputs were compared: equal inputs, equal copies
+            elif info.copies and fingerprintable(t):  # its inputs were compared: equal inputs, equal copies
                 slot = _COPY
             else:
                 slot = self._fingerprint(t)
