@@ -160,3 +160,24 @@ def test_steps_reduced_a_few_at_a_time_give_the_same_trace_and_copies(monkeypatc
     assert chunked_copies == copies
     np.testing.assert_allclose(chunked.stats, whole.stats, rtol=1e-6, equal_nan=True)  # type: ignore[attr-defined]
     np.testing.assert_array_equal(chunked.hist, whole.hist)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_double_precision_parameters_are_recorded(mixed: bool) -> None:
+    """A float64 model (scientific code, gradient checks) — alone or next to float32 layers — is recorded
+    with the right norms; accumulating its norms in float32 used to raise inside the recorder."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3).double(), nn.Tanh(), nn.Linear(3, 2).double())
+    if mixed:
+        model[2].float()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record_gradients(model) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            out = model[2](model[1](model[0](x)).to(model[2].weight.dtype))
+            out.pow(2).sum().backward()
+            opt.step()
+    last = rec.layer(1, 1).param("weight")  # layers with parameters: model.0 and model.2
+    assert last.norm == pytest.approx(float(model[2].weight.grad.norm()), rel=1e-5)
+    assert rec.layer(0, 1).param("weight").norm == pytest.approx(float(model[0].weight.grad.norm()), rel=1e-5)

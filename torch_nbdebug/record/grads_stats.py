@@ -93,7 +93,8 @@ def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     minmax = [torch.aminmax(g) for g in grads]
     # |g| summed per unit (dim 0), in float32: a unit is dead when its sum is 0, and the sums add up
     # to the L1 norm. One vectorised pass, where a != 0 mask and any() took two and a temporary.
-    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1, dtype=torch.float32) if g.dim() >= 2
+    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1,
+                                      dtype=None if g.dtype == torch.float64 else torch.float32) if g.dim() >= 2
              else g for g in grads]  # a vector's own |g| add up to its L1 norm
     matrices = [u for u, g in zip(units, grads) if g.dim() >= 2]
     same = len({g.dtype for g in grads}) == 1  # one stack, one cast: not one cast per parameter

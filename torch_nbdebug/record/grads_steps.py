@@ -32,7 +32,17 @@ def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tenso
     """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf."""
     if all(t.dtype == torch.float32 for t in tensors):
         return compat.foreach_norm(tensors, ord)
-    return compat.foreach_norm(tensors, ord, dtype=torch.float32)
+    wide = {i for i, t in enumerate(tensors) if t.dtype == torch.float64}  # cannot accumulate in float32
+    if not wide:
+        return compat.foreach_norm(tensors, ord, dtype=torch.float32)
+    narrow = [i for i in range(len(tensors)) if i not in wide]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    if narrow:
+        for i, norm in zip(narrow, compat.foreach_norm([tensors[i] for i in narrow], ord, dtype=torch.float32)):
+            out[i] = norm
+    for i, norm in zip(sorted(wide), compat.foreach_norm([tensors[i] for i in sorted(wide)], ord)):
+        out[i] = norm.float()
+    return out
 
 
 class Bucket:
