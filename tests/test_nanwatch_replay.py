@@ -7,6 +7,7 @@ and keeps nothing alive.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from typing import Any
@@ -287,3 +288,343 @@ def test_where_trap_in_a_module_reads_as_the_always_on_watch(replay: bool) -> No
     assert [e.op for e in report.absorbed] == ["aten.log.default"]
     assert report.absorbed[0].lineno == line("@replay-where")
     assert "where" in first.hint.lower()
+
+
+class NormThenLog(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.bn(self.fc(x)) - 100)
+
+
+def test_replay_never_writes_the_users_buffers_so_their_backward_still_runs() -> None:
+    """Fix 1: the replay swaps detached clones in for the buffers; autograd's saved buffers keep their version."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    torch.manual_seed(0)
+    model = NormThenLog()
+    versions = [b._version for b in model.buffers()]
+    always = run(model, x, replay=False)
+    after_always = [b._version - v for b, v in zip(model.buffers(), versions)]
+    torch.manual_seed(0)
+    model = NormThenLog()
+    ids = {name: id(b) for name, b in model.named_buffers()}
+    versions = [b._version for b in model.buffers()]
+    replayed = run(model, x, replay=True)  # the backward would raise "modified by an inplace operation"
+    assert [b._version - v for b, v in zip(model.buffers(), versions)] == after_always
+    assert {name: id(b) for name, b in model.named_buffers()} == ids
+    assert model.bn.num_batches_tracked.item() == 1
+    same(always.first, replayed.first)
+
+
+class TwoBirths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.fc(x)
+        if step == 0:
+            return torch.log(h - 100)  # @replay-first-birth
+        return torch.sqrt(h - 100)  # @replay-later-birth
+
+
+def test_a_later_birth_in_a_module_that_already_has_an_event_is_still_found() -> None:
+    """Fix 6: only the events of the running check say "an inner call's birth, replayed already"."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    reports = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        model = TwoBirths()
+        with torch.no_grad(), nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
+            for step in range(2):
+                model(x, step)
+    always, replayed = reports[False], reports[True]
+    assert [e.lineno for e in replayed.events] == [line("@replay-first-birth"), line("@replay-later-birth")]
+    assert len(replayed.events) == len(always.events)
+    for a, b in zip(always.events, replayed.events):
+        same(a, b)
+
+
+class WritesChildOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.sub_(100).log_()  # @replay-parent-inplace
+        return h * 1
+
+
+def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_parent() -> None:
+    """Fix 5: a kept output written in place since its module returned is not the child's birth."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    reports = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        model = WritesChildOutput()
+        with torch.no_grad(), nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
+            model(x)
+    always, replayed = reports[False], reports[True]
+    assert replayed.first.op == "aten.log_.default" and replayed.first.module == "model"
+    assert replayed.first.lineno == line("@replay-parent-inplace")
+    same(always.first, replayed.first)
+    assert not replayed.summary.notes
+
+
+def test_a_global_module_hook_of_the_user_runs_once_the_call_is_not_replayed() -> None:
+    """Fix 3: a global module hook (not the watch's own) would run again in a replay."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LogBlock())
+    calls: list[str] = []
+    handle = register_module_forward_hook(lambda m, a, o: calls.append(type(m).__name__))
+    try:
+        report = run(model, torch.randn(8, 4), replay=True, backward=False)
+    finally:
+        handle.remove()
+    assert sorted(calls) == sorted(["Linear", "Linear", "LogBlock", "Sequential"])  # each module once
+    assert report.first.module == "model.1" and report.first.op == "LogBlock (module output)"
+    assert any("global module hook" in note for note in report.summary.notes)
+
+
+def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -> None:
+    """Fix 8: when the outermost call ends by raising, its kept outputs are dropped at once."""
+    refs: list[weakref.ref] = []
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            refs.append(weakref.ref(y))
+            return y
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.block(x)
+            raise RuntimeError("out of memory (simulated)")
+
+    model = Net()
+    with torch.no_grad(), nanwatch(replay=True, namespace={"model": model}):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(100))
+        gc.collect()
+        assert refs and refs[0]() is None
+
+
+def test_under_no_grad_module_outputs_are_not_kept_alive_and_births_are_still_op_precise() -> None:
+    """Fix 7: a no-grad output is kept by weakref (its statistics read at once); a freed one is named by
+    replaying the whole model call, as the always-on watch names it."""
+    refs: list[weakref.ref] = []
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            refs.append(weakref.ref(y))
+            return y
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x) + 0  # the block's output is dropped here
+            alive.append(sum(r() is not None for r in refs[:-1]))
+            return x
+
+    alive: list[int] = []
+    with torch.no_grad(), nanwatch(replay=True):
+        Net()(torch.randn(1000))
+    assert alive == [0]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(3e38)
+    reports = {}
+    for replay in (False, True):
+        with torch.no_grad(), nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
+            model(torch.ones(2, 4))
+    always, replayed = reports[False], reports[True]
+    assert replayed.first.op == "aten.addmm.default" and replayed.first.module == "model.0"
+    assert len(always.events) == len(replayed.events)
+    for a, b in zip(always.events, replayed.events):
+        same(a, b)
+
+
+@dataclasses.dataclass
+class PairOut:
+    y: torch.Tensor
+
+
+class TupleOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, torch.log(h - 100)  # @replay-tuple-second
+
+
+class DataclassOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> PairOut:
+        return PairOut(torch.log(self.fc(x) - 100))  # @replay-dataclass
+
+
+@pytest.mark.parametrize("cls,marker", [(TupleOut, "@replay-" + "tuple-second"),
+                                        (DataclassOut, "@replay-" + "dataclass")])
+def test_a_birth_in_a_later_or_dataclass_output_is_found_as_by_the_always_on_watch(cls: type, marker: str) -> None:
+    """Fix 4: every float leaf of a module's output is checked, not only the first tensor."""
+    x = torch.randn(2, 4)
+    reports = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        model = cls()
+        with nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
+            out = model(x)
+            del out
+    always, replayed = reports[False], reports[True]
+    assert replayed.first.op == "aten.log.default" and replayed.first.lineno == line(marker)
+    assert len(always.events) == len(replayed.events)
+    for a, b in zip(always.events, replayed.events):
+        same(a, b)
+
+
+class KvCache:
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, t: torch.Tensor) -> torch.Tensor:
+        self.keys.append(t)
+        return torch.cat(self.keys)
+
+
+class CachedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: KvCache) -> torch.Tensor:
+        return torch.log(cache.update(self.fc(x)) - 100)
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(x)
+        return torch.log(self.fc(x) - 100)  # @replay-counting
+
+
+def test_a_replay_repeats_no_side_effect_of_the_forward() -> None:
+    """Fix 2: a call with an object argument (a KV cache) is not replayed; a module's own attributes
+    (a counter, a list) are put back after a replay, with a note."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    model, cache = CachedAttention(), KvCache()
+    with nanwatch(replay=True, namespace={"model": model}) as report:
+        model(x, cache=cache)
+    assert len(cache.keys) == 1
+    assert report.first.module == "model" and report.first.op == "CachedAttention (module output)"
+    assert any("an object the call may update" in note for note in report.summary.notes)
+    reports = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        counting = Counting()
+        with nanwatch(replay=replay, namespace={"model": counting}) as reports[replay]:
+            counting(x)
+        assert counting.calls == 1 and len(counting.seen) == 1
+    assert reports[True].first.lineno == line("@replay-counting")
+    same(reports[False].first, reports[True].first)
+    assert any("changed the module's attributes" in note for note in reports[True].summary.notes)
+
+
+FORWARDS: list[int] = []
+
+
+class SqrtCounted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FORWARDS.append(1)  # outside the module: only a replay would append again
+        return torch.sqrt((self.fc(x) * 0).abs())  # @replay-counted-sqrt
+
+
+def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() -> None:
+    """Fix 9: the forward is replayed only with the weights it ran with."""
+    torch.manual_seed(0)
+    model, x = SqrtCounted(), torch.randn(2, 3)
+    FORWARDS.clear()
+    with nanwatch(replay=True, namespace={"model": model}) as report:
+        model(x).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * torch.nan_to_num(p.grad)
+    assert FORWARDS == [1]
+    assert report.first.phase == "backward" and report.first.forward_op is None
+
+
+def test_backward_birth_naming_replays_the_forward_under_its_autocast() -> None:
+    """Fix 9: a forward that ran under autocast is replayed under it (the backward ran outside)."""
+    reports = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        model, x = SqrtCounted(), torch.randn(2, 3)
+        with nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().sum().backward()
+    always, replayed = reports[False], reports[True]
+    assert always.first.forward_op is not None
+    assert [(e.op, e.forward_op, e.forward_lineno) for e in replayed.events] == \
+        [(e.op, e.forward_op, e.forward_lineno) for e in always.events]
+
+
+class Sampler(nn.Module):
+    """A forward that dies of its own NaN: ``torch.multinomial`` refuses NaN probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        p = torch.softmax(self.fc(x) * scale, -1)  # @replay-raise
+        return torch.multinomial(p, 1)
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_forward_that_raises_because_of_its_nan_still_names_the_birth(keyword: bool) -> None:
+    """The classic crash: the report names the softmax that made the NaN, as the always-on watch does,
+    also when the model was called with keyword arguments; the user's error passes through unchanged."""
+    torch.manual_seed(0)
+    model = Sampler()
+    x = torch.randn(2, 4)
+    found = {}
+    for replay in (True, False):
+        with pytest.raises(RuntimeError, match="probability tensor contains"):
+            with nanwatch(replay=replay) as report:
+                model(x=x, scale=float("inf")) if keyword else model(x, float("inf"))
+        found[replay] = [(e.op, e.module, e.lineno) for e in report.events]
+    assert found[True] == found[False] == [("aten._softmax.default", "model", line("@replay-raise"))]

@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -445,8 +445,71 @@ storage_id_of: Callable[[Any], int] = _storage_id_getter()
 every op output; :func:`storage_id` itself where torch has no such descriptor."""
 
 
-def module_hooks_in(module: Any) -> bool:
-    """Whether ``module`` or a submodule has hooks of its own (forward, forward pre, backward): running
-    it again would run them again. Reads ``nn.Module``'s private hook dicts (no public accessor)."""
+def module_hooks_in(module: Any, own: Collection[int] = ()) -> bool:
+    """Whether ``module`` or a submodule has hooks of its own (forward, forward pre, backward), or a
+    global module hook is installed other than ``own`` (the caller's handle ids) and this package's:
+    running it again would run them again. Reads ``nn.Module``'s private hook dicts (no public accessor)."""
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(bool(getattr(m, name, None)) for m in module.modules() for name in names)
+    return (any(bool(getattr(m, name, None)) for m in module.modules() for name in names)
+            or bool(global_module_hook_ids("torch_nbdebug") - set(own)))
+
+
+def global_module_hook_ids(skip_package: str = "") -> set[int]:
+    """The ids of every global module hook (``register_module_forward_hook`` and friends), less those
+    whose function is defined in ``skip_package`` (this package's own recorders, which keep out of a replay)."""
+    from torch.nn.modules import module as m
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return {key for name in names for key, hook in (getattr(m, name, {}) or {}).items()
+            if not (skip_package and _defined_in(hook, skip_package))}
+
+
+def _defined_in(hook: Any, package: str) -> bool:
+    module = getattr(getattr(hook, "__func__", hook), "__module__", None) or ""
+    return module == package or module.startswith(package + ".")
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, Any], ...]:
+    """The devices autocast is on for now, with their dtypes (``torch.is_autocast_enabled(device)`` is
+    2.4+; older releases had one function per device)."""
+    state = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            on, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)  # type: ignore[call-arg]
+        except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch < 2.4
+            on = torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+            dtype = torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
+        if on:
+            state.append((device, dtype))
+    return tuple(state)
+
+
+def autocast_contexts(state: tuple[tuple[str, Any], ...]) -> list[Any]:
+    """The ``torch.autocast`` contexts that make autocast as it was when ``state`` was taken (on or off
+    per device, same dtype); the caller enters them."""
+    wanted, now = dict(state), dict(autocast_state())
+    contexts = []
+    for device in _AUTOCAST_DEVICES:
+        if device in wanted and now.get(device) != wanted[device]:
+            contexts.append(torch.autocast(device, dtype=wanted[device]))
+        elif device not in wanted and device in now:
+            contexts.append(torch.autocast(device, enabled=False))
+    return contexts
+
+
+def failed_call_kwargs(module: torch.nn.Module) -> Optional[dict]:
+    """The keyword arguments of ``module``'s call whose forward is raising right now, read from
+    ``Module._call_impl``'s frame: torch calls ``always_call`` forward hooks with ``(module, args,
+    None)`` only on that path, even when they were registered ``with_kwargs``. None when not found."""
+    code = getattr(torch.nn.Module._call_impl, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            kwargs = frame.f_locals.get("kwargs")
+            return dict(kwargs) if isinstance(kwargs, dict) else None
+        frame = frame.f_back
+    return None

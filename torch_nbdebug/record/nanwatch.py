@@ -33,7 +33,8 @@ from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch_replay import Replayer, relocate, replay_call, user_line, with_forward
+from torch_nbdebug.record.nanwatch_replay import (Replayer, plain_arguments, relocate, replay_call, user_line,
+                                                  with_forward)
 from torch_nbdebug.record.nanwatch_storage import StorageRegistry
 
 _get_sequence_nr = compat.next_sequence_nr
@@ -84,7 +85,8 @@ class NanRecorder:
         self._moves: list[tuple[int, Optional[str]]] = []
         self._model_place: Optional[Place] = None
         if self.options.replay:
-            self.modules.use_replay(Replayer(self, self._replay_watch, self.modules.module_fallback))
+            self.modules.use_replay(Replayer(self, self._replay_watch, self.modules.module_fallback,
+                                             self.own_hook_ids))
 
     # -- what the report reads (besides ``log``, ``layers``, ``options``, ``errors``) ---------------
     @property
@@ -115,7 +117,8 @@ class NanRecorder:
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
         replay = self.options.replay
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
-        self._handles.append(register_module_forward_hook(torch.compiler.disable(exit_hook), with_kwargs=replay))
+        self._handles.append(register_module_forward_hook(torch.compiler.disable(exit_hook), with_kwargs=replay,
+                                                          always_call=replay))
         self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
                                        outer=self._outer if replay else None, moved=self.module_moved)
         self._tracker.__enter__()
@@ -205,6 +208,11 @@ class NanRecorder:
             self._model_off = False
             self.resume()
 
+    def own_hook_ids(self) -> set[int]:
+        """The ids of this watch's own global hooks (a replay runs them; they know to keep out of it)."""
+        handles = self._handles + (self._tracker._handles if self._tracker is not None else [])
+        return {h.id for h in handles}
+
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() == self.modules.thread_id and self._mode is not None:
             self.name_backward_births()
@@ -220,7 +228,9 @@ class NanRecorder:
                     if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
             for module, call, end, where in calls.calls if todo else []:
                 mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
-                if mine and not call.changed() and not compat.module_hooks_in(module):  # hooks: side effects
+                if mine and not call.changed() and not call.params_changed(module) \
+                        and not compat.module_hooks_in(module, self.own_hook_ids()) \
+                        and plain_arguments((call.args, call.kwargs)):
                     places = self._replayed_places(module, call, where)
                     for i in mine:
                         place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]
@@ -448,3 +458,4 @@ class _ThreadTracker(ModuleTracker):
                 self._moved()
                 if not self.stack:
                     self._outer(False)
+                    self._checks.forward_over()

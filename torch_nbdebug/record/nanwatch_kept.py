@@ -6,29 +6,34 @@ a replay needs (the module, its float inputs, the user's line, the iteration, th
 outermost module returns (or an in-place module is about to run, or the watch ends)
 :meth:`KeptReadings.take` computes every entry's ``[min, max, mean]`` (NaN/Inf propagate through them)
 and reads them with one transfer. The entries are then dropped, before the backward: the outputs are
-kept no longer than the forward that made them (autograd keeps most of them that long anyway).
+kept no longer than the forward that made them (autograd keeps most of them that long anyway); an
+output that does not require grad (``no_grad``, inference) is kept by weak reference with its statistics
+computed as it is kept, and every kept entry is dropped when the outermost call raises.
 Modules that declare ``inplace=True`` trigger the check before they run, so the common case
 (``nn.ReLU(inplace=True)`` after a layer) still sees the layer's own output. Gradients into module
 outputs are not kept: they are read as they come (the backward runs under the per-op watch).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from torch_nbdebug.record.nanwatch_events import Place
-from torch_nbdebug.record.nanwatch_ops import HALF, read_together
+from torch_nbdebug.record.nanwatch_ops import HALF, read_together, version_of
 
 _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with very many module calls)
 
 
 @dataclass
 class Kept:
-    """One kept module output."""
+    """One kept module output. An output that does not require grad (``no_grad``, inference) is kept by
+    weak reference with its statistics computed at once (no host sync): autograd does not keep it, and
+    neither do we (peak memory of generation stays the user's)."""
 
-    tensor: torch.Tensor
+    tensor: Optional[torch.Tensor]
     paths: list[str]
     iteration: int
     module: torch.nn.Module
@@ -36,6 +41,29 @@ class Kept:
     place: Optional[Place] = None
     values: list[float] = field(default_factory=list)
     call: Any = None  # the call's arguments and RNG state (nanwatch_replay.Call)
+    version: int = -1  # the output's ``_version`` when the module returned
+    ref: Any = None  # a weak output: weakref.ref of it (``tensor`` is None)
+    parts: Optional[list[torch.Tensor]] = None  # a weak output's statistics, computed as it was kept
+    input_refs: Optional[tuple[Any, ...]] = None  # a weak output's float inputs, by weakref
+    meta: tuple[tuple[int, ...], str, str, int] = ((), "", "", 0)  # shape, dtype, device, numel
+    table: bool = True  # the module's output for the layer table (False: another output, births only)
+
+    def value(self) -> Optional[torch.Tensor]:
+        """The output, or None when it was weakly kept and has been freed since."""
+        return self.tensor if self.ref is None else self.ref()
+
+    def live_inputs(self) -> Optional[tuple[torch.Tensor, ...]]:
+        """The float inputs, or None when one was weakly kept and has been freed."""
+        if self.input_refs is None:
+            return self.inputs
+        inputs = tuple(r() for r in self.input_refs)
+        return None if any(x is None for x in inputs) else inputs
+
+    def written_since(self) -> bool:
+        """Written in place after the module returned (``h = self.fc(x); h.log_()`` in the parent): its
+        numbers now are the parent's doing, not this module's."""
+        t = self.value()
+        return t is not None and version_of(t) != self.version
 
 
 class KeptReadings:
@@ -48,8 +76,15 @@ class KeptReadings:
         return len(self.entries)
 
     def output(self, t: torch.Tensor, path: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-               place: Optional[Place], iteration: int) -> Kept:
-        entry = Kept(t, [path], iteration, module, inputs, place)
+               place: Optional[Place], iteration: int, weak: bool = False, table: bool = True) -> Kept:
+        meta = (tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device), t.numel())
+        if weak:
+            with torch.no_grad():
+                parts = _stat_parts(t)
+            entry = Kept(None, [path], iteration, module, (), place, version=version_of(t), ref=weakref.ref(t),
+                         parts=parts, input_refs=tuple(weakref.ref(x) for x in inputs), meta=meta, table=table)
+        else:
+            entry = Kept(t, [path], iteration, module, inputs, place, version=version_of(t), meta=meta, table=table)
         self.entries.append(entry)
         return entry
 
@@ -58,13 +93,13 @@ class KeptReadings:
 
     def take(self) -> list[Kept]:
         """Every entry with its ``values`` filled, read in one transfer per device; the list is emptied."""
-        entries, self.entries = self.entries, []
+        entries, self.entries = [e for e in self.entries if not e.written_since()], []
         if not entries:
             return entries
         parts: list[torch.Tensor] = []
         with torch.no_grad():
             for entry in entries:
-                parts += _stat_parts(entry.tensor)
+                parts += entry.parts if entry.parts is not None else _stat_parts(entry.tensor)  # type: ignore[arg-type]
         first = parts[0]
         if all(p.dtype == first.dtype and p.device == first.device for p in parts):
             flat = torch.stack(parts).tolist()  # one copy
@@ -72,7 +107,7 @@ class KeptReadings:
             flat = [v for values in read_together(parts) for v in values]
         for i, entry in enumerate(entries):
             lo, hi, total = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
-            entry.values = [lo, hi, total / entry.tensor.numel()]
+            entry.values = [lo, hi, total / entry.meta[3]]
         return entries
 
     def clear(self) -> None:

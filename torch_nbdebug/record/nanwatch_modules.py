@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -70,6 +71,7 @@ class ModuleChecks:
         self.model_calls = ModelCalls()  # replay: the outermost calls, to name backward births' forward ops
         self.replaying = False  # a replay runs: the module layer keeps out of it
         self._starts: list[Start] = []  # replay: RNG state and argument versions of each running call, by depth
+        self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
 
     def mine(self) -> bool:
@@ -98,13 +100,40 @@ class ModuleChecks:
             del self._starts[self._depth():]
             self._starts.append(call_start(args))
 
-    def exit_kw(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:
-        """The exit hook with the call's keyword arguments (replay needs them)."""
+    def exit_kw(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
+        """The exit hook with the call's keyword arguments (replay needs them): ``(kwargs, output)``.
+        Installed with ``always_call``: torch also calls it while a forward's exception propagates, then
+        as ``(module, args, None)``."""
+        if len(rest) != 2:
+            if rest and rest[0] is None and sys.exc_info()[0] is not None:
+                kwargs = compat.failed_call_kwargs(module)
+                if kwargs is not None:
+                    self._raised(module, args, kwargs)
+            return
+        kwargs, output = rest
         self._kwargs = kwargs
         try:
             self.exit(module, args, output)
         finally:
             self._kwargs = {}
+
+    def _raised(self, module: torch.nn.Module, args: Any, kwargs: dict) -> None:
+        """The outermost forward raised (``torch.multinomial`` on NaN probabilities, an assert on the
+        values): check what its inner modules returned, and if that names no birth, replay the whole
+        call under the per-op watch up to the same error, as the always-on watch would have seen it."""
+        if self.replaying or self.replayer is None or not self.mine() or self._depth() != 1 or self._busy():
+            return
+        try:
+            path = self.ctx.module_path()
+            call = capture(tuple(args), dict(kwargs), self._starts[0] if self._starts else None)
+            first = len(self.ctx.log.events)
+            with self.ctx.quiet():
+                self.ctx.flush()  # the kept outputs of the modules that returned
+            if len(self.ctx.log.events) == first and path is not None:
+                entry = Kept(None, [path], self.ctx.clock.iteration, module, (), here(path, None), call=call)
+                self.replayer.birth(entry, first, fallback=False)
+        except Exception as exc:  # noqa: BLE001 - the user's own error is the one that propagates
+            self.ctx.internal_error(f"the forward of {type(module).__name__} that raised", exc)
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.replaying or not self.mine():
@@ -145,35 +174,63 @@ class ModuleChecks:
 
     def forget(self) -> None:
         self._last_exit = None
+        self._outer_call = None
         self._awaiting = None
         self._starts.clear()
         self.model_calls.clear()
         if self.kept is not None:
             self.kept.clear()
 
+    def forward_over(self) -> None:
+        """The outermost module call ended (this hook runs also when it raised): what is still kept was
+        not checked because the forward raised; drop it (an OOM-retry loop must not keep activations)."""
+        self._starts.clear()
+        self._outer_call = None
+        if self.kept is not None:
+            self.kept.clear()
+
     def check_kept(self) -> None:
         """Replay: read every kept output (one transfer), in the order the modules exited: the table's
         statistics, and a non-finite output goes to the replayer (innermost call first)."""
+        outer, self._outer_call = self._outer_call, None
         if self.kept is None or not self.kept.entries:
             return
+        first = len(self.ctx.log.events)  # events of earlier checks are other births, not this output's
+        freed: list[Kept] = []
         for entry in self.kept.take():
-            for path in entry.paths:
+            for path in entry.paths if entry.table else ():
                 self.layers.take_forward(path, entry.values)
             if self.replayer is not None and not all(math.isfinite(v) for v in entry.values):
-                self.replayer.birth(entry)
+                if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
+                    freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
+                else:
+                    self.replayer.birth(entry, first)
+        events = self.ctx.log.events
+        if freed and outer is not None and self.replayer is not None and not any(
+                e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
+                for e in events[first:]):
+            if self.replayer.birth(outer, first, fallback=False):  # the whole model's call names the ops
+                freed = []
+        for entry in freed:
+            path = entry.paths[0]
+            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
+                self.module_fallback(entry, first)
 
     def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.ctx.module_path()
         if path is None or self._busy():
             return
         t = first_float_tensor(output)
+        leaves = float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
+        if t is None and leaves:
+            t = leaves[0]  # a dataclass (or deeper) output
         if t is None:
             return
         last = self._last_exit
         if last is not None and (last[0]() is not t or ops.version_of(t) != last[3]):
             last = None  # another tensor, or the same one written in place (ReLU(inplace=True)): new numbers
         if self.kept is not None:
-            self._keep_exit(path, module, args, t, last)
+            self._keep_exit(path, module, args, t, last, [x for x in leaves if x is not t])
             return
         if last is not None and last[1] is not None:
             # A container returning its last child's output (Sequential, a model's head): same numbers.
@@ -196,7 +253,8 @@ class ModuleChecks:
             self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
             self._bound_backlog()
 
-    def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any) -> None:
+    def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any,
+                   others: list[torch.Tensor]) -> None:
         """The replay's module layer: keep the output (no torch op here); :meth:`check_kept` reads it later."""
         kept = self.kept
         assert kept is not None
@@ -206,13 +264,24 @@ class ModuleChecks:
         call = capture(args, self._kwargs, start)
         if depth == 1 and t.requires_grad:
             self.model_calls.add(module, call, compat.next_sequence_nr(), here(None, None))
-        if last is not None and kept.entries and kept.entries[-1].tensor is t:
-            kept.entries[-1].paths.append(path)  # a container returning its last child's output
-            if last[2] is not None:
+        if depth == 1:  # checked as this exit returns (``exit``), then dropped
+            self._outer_call = Kept(t, [path], ctx.clock.iteration, module, (), here(path, None), call=call)
+        inputs, place = _float_args(args), here(path, None)
+        container = last is not None and kept.entries and kept.entries[-1].value() is t
+        main = kept.entries.pop() if container else None
+        for other in others:  # the other outputs (a tuple's 2nd element, a dataclass field): births only
+            weak = not other.requires_grad
+            extra = kept.output(other, path, module, inputs, place, ctx.clock.iteration, weak, table=False)
+            extra.call = call.weakened() if weak else call
+        if main is not None:
+            kept.entries.append(main)  # last again: the next container can find it
+            main.paths.append(path)  # a container returning its last child's output
+            if last is not None and last[2] is not None:
                 last[2].paths.append(path)
             return
-        entry = kept.output(t, path, module, _float_args(args), here(path, None), ctx.clock.iteration)
-        entry.call = call
+        weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
+        entry = kept.output(t, path, module, inputs, place, ctx.clock.iteration, weak)
+        entry.call = call.weakened() if weak else call
         hook = None
         if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
@@ -228,15 +297,38 @@ class ModuleChecks:
         if self.layers.backlog > _MAX_BACKLOG:
             self.ctx.flush()
 
-    def module_fallback(self, entry: Kept) -> None:
-        """A kept forward call reported at module level (replay impossible or not reproducing)."""
+    def module_fallback(self, entry: Kept, first: int = 0) -> None:
+        """A kept forward call reported at module level (replay impossible or not reproducing);
+        ``first``: the log's length when the check began."""
         assert entry.module is not None
-        self._module_birth(entry.paths[0], entry.module, entry.inputs, entry.tensor, entry.place, entry.iteration)
+        t, inputs = entry.value(), entry.live_inputs()
+        if t is None:
+            self._freed_birth(entry, first)
+            return
+        self._module_birth(entry.paths[0], entry.module, inputs or (), t, entry.place, entry.iteration, first)
+
+    def _freed_birth(self, entry: Kept, first: int) -> None:
+        """A weakly kept (no-grad) output freed before the check: the event has what was read of it
+        (its kind; shape and dtype), not its full statistics."""
+        log, path = self.ctx.log, entry.paths[0]
+        inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
+        params_bad = not inner and bool(bad_parameters(entry.module))
+        verdict = judge_module(True, False, params_bad, log.has_events(), inner)
+        if verdict == "propagation":
+            return
+        kind: Kind = "nan" if any(math.isnan(v) for v in entry.values) else "inf"
+        if self.ctx.options.ignore_inf and kind == "inf":
+            return
+        shape, dtype, device, numel = entry.meta
+        out = TensorStats(shape, dtype, device, numel, note="freed before the check: statistics not kept")
+        op = f"{type(entry.module).__name__} (module output)"
+        log.add(module_event(self.ctx, entry.place or here(path, None), op, verdict, (), out, kind, entry.module,
+                             False, entry.iteration))
 
     def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
-                      place: Optional[Place] = None, iteration: Optional[int] = None) -> None:
+                      place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> None:
         log = self.ctx.log
-        inner = any(e.module and e.module.startswith(path + ".") for e in log.events)
+        inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
         inputs = ops.float_inputs(args, {})
         in_bad = any(not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs)
         params_bad = not inner and not in_bad and bool(bad_parameters(module))
@@ -284,6 +376,31 @@ class ModuleChecks:
             place = Place(None, path, None, None, "<module>")
             ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
                                    iteration=iteration))
+
+
+_MAX_LEAVES = 16  # float tensors of one module output checked for births
+
+
+def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Every checkable float tensor of a module output (tuples, lists, dicts, dataclass fields), capped."""
+    if isinstance(value, torch.Tensor):
+        return [value] if ops.checkable(value) and value.numel() > 0 else []
+    if depth > 4:
+        return []
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (tuple, list)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return []
+    found: list[torch.Tensor] = []
+    for item in items:
+        found += [x for x in float_leaves(item, depth + 1) if all(x is not y for y in found)]
+        if len(found) >= _MAX_LEAVES:
+            return found[:_MAX_LEAVES]
+    return found
 
 
 def _float_args(args: Any) -> tuple[torch.Tensor, ...]:

@@ -6,16 +6,20 @@ with and the arguments' ``_version``. When the kept output is non-finite, :func:
 that call again, with the same arguments and parameters (the check runs before ``optimizer.step``
 changes them) and the same RNG state, under the per-op watch, so the event names the op and line the
 always-on watch would. The replay changes nothing of the user's: the RNG streams are put back,
-buffers (BatchNorm's running statistics) are restored, no backward runs (no ``.grad``), and the
-replay's outputs are dropped. When the arguments were changed in place since the call, the replay
-is not attempted; the caller then reports at module level and says why.
+it runs on clones of the buffers (BatchNorm's running statistics; the user's are never written, so
+autograd's version checks still pass), the modules' plain attributes (counters, lists) are put back,
+no backward runs (no ``.grad``), autocast is as it was in the call, and the replay's outputs are
+dropped. When the arguments were changed in place since the call, or one is an object the call may
+update (a KV cache), or a hook would run again, the replay is not attempted; the caller then reports
+at module level and says why.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
@@ -39,9 +43,67 @@ class Call:
     grad_enabled: bool
     seq: Optional[int] = None  # the autograd sequence number when the call started
 
+    refs: bool = False  # args, kwargs and tensors hold weak references (see ``weakened``)
+    autocast: tuple = ()  # compat.autocast_state() when the call ran: the replay runs under the same
+    params: Optional[tuple[int, ...]] = None  # the module's parameter versions (ModelCalls.add)
+
+    def params_changed(self, module: torch.nn.Module) -> bool:
+        """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values."""
+        return self.params is not None and self.params != _param_versions(module)
+
     def changed(self) -> bool:
         """An argument was written in place after the call: a replay would see other values."""
         return any(ops.version_of(t) != v for t, v in zip(self.tensors, self.versions))
+
+    def weakened(self) -> "Call":
+        """The call with its tensors (in lists, tuples and dicts too) held by weak reference: a no-grad
+        call keeps nothing alive (:meth:`resolved` gives them back while they live)."""
+        return dataclasses.replace(self, args=_weak(self.args), kwargs=_weak(self.kwargs),
+                                   tensors=_weak(self.tensors), refs=True)
+
+    def resolved(self) -> Optional["Call"]:
+        """The call with strong references again; None when one of its tensors was freed."""
+        if not self.refs:
+            return self
+        try:
+            return dataclasses.replace(self, args=_strong(self.args), kwargs=_strong(self.kwargs),
+                                       tensors=_strong(self.tensors), refs=False)
+        except _Freed:
+            return None
+
+
+class _Ref:
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+
+
+class _Freed(Exception):
+    pass
+
+
+def _weak(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Ref(value)
+    if type(value) in (list, tuple):
+        return type(value)(_weak(v) for v in value)
+    if type(value) is dict:
+        return {k: _weak(v) for k, v in value.items()}
+    return value
+
+
+def _strong(value: Any) -> Any:
+    if isinstance(value, _Ref):
+        t = value.ref()
+        if t is None:
+            raise _Freed
+        return t
+    if type(value) in (list, tuple):
+        return type(value)(_strong(v) for v in value)
+    if type(value) is dict:
+        return {k: _strong(v) for k, v in value.items()}
+    return value
 
 
 def rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
@@ -70,14 +132,97 @@ def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
     if start is not None:
         rng, before, seq = start
         versions = before + versions[len(before):]
-    return Call(tuple(args), dict(kwargs), versions, tensors, rng[0], rng[1], torch.is_grad_enabled(), seq)
+    return Call(tuple(args), dict(kwargs), versions, tensors, rng[0], rng[1], torch.is_grad_enabled(), seq,
+                autocast=compat.autocast_state())
 
 
-def replay_call(module: torch.nn.Module, call: Call, watched: Callable[[], Any]) -> None:
+def _param_versions(module: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(ops.version_of(p) for p in module.parameters())
+
+
+def replay_call(module: torch.nn.Module, call: Call, watched: Callable[[], Any]) -> bool:
     """Run ``module(*args, **kwargs)`` again inside ``watched()`` (a context that puts the per-op
-    watch on); the user's RNG streams, buffers and grad mode are as before afterwards."""
-    with _restored_rng(call), _restored_buffers(module), _grad_mode(call.grad_enabled), watched():
+    watch on); the user's RNG streams, buffers, module attributes and grad mode are as before
+    afterwards. True when the replay changed an attribute (put back)."""
+    changed: list[bool] = []
+    with _restored_attributes(module, changed), _restored_rng(call), _restored_buffers(module), \
+            _grad_mode(call.grad_enabled), _autocast_as(call.autocast), watched():
         module(*call.args, **call.kwargs)
+    return bool(changed)
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, complex, str, bool, type(None))
+
+
+def plain_arguments(value: Any, depth: int = 0) -> bool:
+    """Tensors, numbers, strings, None and lists/tuples/dicts of them: a replay cannot change anything
+    through them (a KV-cache object that ``forward`` updates would be updated twice)."""
+    if isinstance(value, (_PLAIN_LEAVES, _Ref)):
+        return True
+    if depth < 6 and type(value) in (list, tuple):
+        return all(plain_arguments(v, depth + 1) for v in value)
+    if depth < 6 and type(value) is dict:
+        return all(plain_arguments(v, depth + 1) for v in value.values())
+    return False
+
+
+_STRUCTURE = ("_parameters", "_modules", "_buffers")
+
+
+@contextlib.contextmanager
+def _restored_attributes(module: torch.nn.Module, changed: list[bool]) -> Iterator[None]:
+    """Each submodule's plain attributes (``self.n += 1``, a list ``forward`` appends to) are put back
+    after the replay; ``changed`` gets True when one differed."""
+    saved = [(m, {k: v for k, v in m.__dict__.items() if k not in _STRUCTURE}) for m in module.modules()]
+    copies = [{k: _shallow(v) for k, v in attrs.items() if type(v) in (list, dict, set)} for _, attrs in saved]
+    try:
+        yield
+    finally:
+        for (m, attrs), contents in zip(saved, copies):
+            now = m.__dict__
+            for k in [k for k in now if k not in attrs and k not in _STRUCTURE]:
+                del now[k]
+                changed.append(True)
+            for k, v in attrs.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+                    changed.append(True)
+            for k, copy in contents.items():
+                if not _same_contents(attrs[k], copy):
+                    _put_back(attrs[k], copy)
+                    changed.append(True)
+
+
+_MISSING = object()
+
+
+def _shallow(value: Any) -> Any:
+    return list(value) if type(value) is list else dict(value) if type(value) is dict else set(value)
+
+
+def _same_contents(now: Any, copy: Any) -> bool:
+    if type(now) is dict:
+        return now.keys() == copy.keys() and all(now[k] is copy[k] for k in copy)
+    if type(now) is set:
+        return now == copy
+    return len(now) == len(copy) and all(a is b for a, b in zip(now, copy))
+
+
+def _put_back(now: Any, copy: Any) -> None:
+    if type(now) is list:
+        now[:] = copy
+    else:
+        now.clear()
+        now.update(copy)
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple) -> Iterator[None]:
+    """Autocast as when the call ran (a backward birth's forward is replayed after its autocast ended)."""
+    with contextlib.ExitStack() as stack:
+        for context in compat.autocast_contexts(state):
+            stack.enter_context(context)
+        yield
 
 
 @contextlib.contextmanager
@@ -109,14 +254,20 @@ def _restored_rng(call: Call) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _restored_buffers(module: torch.nn.Module) -> Iterator[None]:
-    """BatchNorm's running mean/var and batch counter (any buffer) are put back after the replay."""
-    saved = [(b, b.detach().clone()) for b in module.buffers() if isinstance(b, torch.Tensor)]
+    """The replay runs on detached clones of every buffer (BatchNorm's running mean/var and batch
+    counter): the user's buffers are never written, so their ``_version`` (which autograd checks for
+    the buffers it saved) stays; the original dict entries are put back afterwards."""
+    saved = [(m, dict(m._buffers)) for m in module.modules()]
     try:
+        for m, buffers in saved:
+            for name, buf in buffers.items():
+                if isinstance(buf, torch.Tensor):
+                    m._buffers[name] = buf.detach().clone()
         yield
     finally:
-        with torch.no_grad():
-            for buf, value in saved:
-                buf.copy_(value)
+        for m, buffers in saved:
+            m._buffers.clear()
+            m._buffers.update(buffers)
 
 
 NOT_REPLAYED = ("{module}: replay not possible ({why}); reported at module level")
@@ -128,29 +279,37 @@ class Replayer:
     ``watched`` is the recorder's context that puts the per-op watch on for a replay (and keeps the
     module layer out of it); ``fallback(entry)`` reports the call at module level."""
 
-    def __init__(self, ctx: Any, watched: Callable[[], Any], fallback: Callable[[Any], None]) -> None:
-        self.ctx, self._watched, self._fallback = ctx, watched, fallback
+    def __init__(self, ctx: Any, watched: Callable[[], Any], fallback: Callable[[Any, int], None],
+                 own_hooks: Callable[[], Collection[int]] = tuple) -> None:
+        self.ctx, self._watched, self._fallback, self._own_hooks = ctx, watched, fallback, own_hooks
         self.notes: list[str] = []
         self.replays = 0
 
-    def birth(self, entry: Any) -> None:
-        """``entry`` (a forward :class:`~nanwatch_kept.Kept`) came out non-finite: find who made it."""
+    def birth(self, entry: Any, first: int = 0, fallback: bool = True) -> bool:
+        """``entry`` (a forward :class:`~nanwatch_kept.Kept`) came out non-finite: find who made it.
+        ``first``: the log's length when this check began (events of earlier checks are other births)."""
         log, path = self.ctx.log, entry.paths[0]
-        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.events):
-            return  # an inner call's birth, replayed already: this output only carries it
-        if log.has_events() and any(ops.has_nan(x) for x in entry.inputs if not _finite(x)):
-            return  # an earlier birth's NaN flowing through (an Inf turning into a NaN is replayed)
-        call: Optional[Call] = entry.call
-        why = ("its arguments were not kept" if call is None
+        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.events[first:]):
+            return False  # an inner call's birth, replayed already: this output only carries it
+        inputs = entry.live_inputs() or ()
+        if log.has_events() and any(ops.has_nan(x) for x in inputs if not _finite(x)):
+            return False  # an earlier birth's NaN flowing through (an Inf turning into a NaN is replayed)
+        call: Optional[Call] = entry.call.resolved() if entry.call is not None else None
+        why = ("its arguments were not kept" if entry.call is None
+               else "its arguments were freed before the check (no_grad)" if call is None
                else "its arguments were changed in place after the call" if call.changed()
-               else "it has hooks of its own, which a replay would run again" if compat.module_hooks_in(entry.module)
+               else "an argument is an object the call may update (a cache)"
+               if not plain_arguments((call.args, call.kwargs))
+               else "it has hooks of its own (or a global module hook is installed), which a replay would run again"
+               if compat.module_hooks_in(entry.module, self._own_hooks())
                else "")
         before = len(log.events)
         if not why:
             self.replays += 1
             probe, seq = user_line(), compat.next_sequence_nr()
             try:
-                replay_call(entry.module, call, lambda: self._watched(entry.iteration))  # type: ignore[arg-type]
+                if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type]
+                    self._note(f"{path}: the replay changed the module's attributes (put back)")
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands (unless it found the op)
                 if len(log.events) == before:
                     why = f"the replay raised {type(exc).__name__}: {exc}"
@@ -160,11 +319,18 @@ class Replayer:
             if shift is not None:
                 log.renumber(before, shift)
             if len(log.events) > before:
-                return
+                return True
             why = "the replay stayed finite (randomness or state outside the call, or nondeterminism)"
-        self._fallback(entry)
-        if len(log.events) > before and len(self.notes) < 3:
-            self.notes.append(NOT_REPLAYED.format(module=path, why=why))
+        if not fallback:
+            return False
+        self._fallback(entry, first)
+        if len(log.events) > before:
+            self._note(NOT_REPLAYED.format(module=path, why=why))
+        return False
+
+    def _note(self, note: str) -> None:
+        if len(self.notes) < 3 and note not in self.notes:
+            self.notes.append(note)
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -219,6 +385,7 @@ class ModelCalls:
     def add(self, module: torch.nn.Module, call: Call, end: int, place: Any) -> None:
         """``end``: the sequence number after the call; ``place``: the user's line that made it."""
         if call.seq is not None and call.grad_enabled:
+            call = dataclasses.replace(call, params=_param_versions(module))
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
     def clear(self) -> None:
