@@ -301,7 +301,7 @@ class NormThenLog(nn.Module):
 
 
 def test_replay_never_writes_the_users_buffers_so_their_backward_still_runs() -> None:
-    """Fix 1: the replay swaps detached clones in for the buffers; autograd's saved buffers keep their version."""
+    """the replay swaps detached clones in for the buffers; autograd's saved buffers keep their version."""
     torch.manual_seed(0)
     x = torch.randn(8, 4)
     torch.manual_seed(0)
@@ -333,7 +333,7 @@ class TwoBirths(nn.Module):
 
 
 def test_a_later_birth_in_a_module_that_already_has_an_event_is_still_found() -> None:
-    """Fix 6: only the events of the running check say "an inner call's birth, replayed already"."""
+    """only the events of the running check say "an inner call's birth, replayed already"."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     reports = {}
@@ -362,7 +362,7 @@ class WritesChildOutput(nn.Module):
 
 
 def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_parent() -> None:
-    """Fix 5: a kept output written in place since its module returned is not the child's birth."""
+    """a kept output written in place since its module returned is not the child's birth."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     reports = {}
@@ -379,7 +379,7 @@ def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_par
 
 
 def test_a_global_module_hook_of_the_user_runs_once_the_call_is_not_replayed() -> None:
-    """Fix 3: a global module hook (not the watch's own) would run again in a replay."""
+    """a global module hook (not the watch's own) would run again in a replay."""
     from torch.nn.modules.module import register_module_forward_hook
 
     torch.manual_seed(0)
@@ -395,15 +395,23 @@ def test_a_global_module_hook_of_the_user_runs_once_the_call_is_not_replayed() -
     assert any("global module hook" in note for note in report.summary.notes)
 
 
-def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -> None:
-    """Fix 8: when the outermost call ends by raising, its kept outputs are dropped at once."""
-    refs: list[weakref.ref] = []
+def doubler(refs: list) -> type:
+    """A module class whose outputs are watched by weak reference (``refs``): is anything keeping them?"""
 
     class Block(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = x * 2
             refs.append(weakref.ref(y))
             return y
+
+    return Block
+
+
+def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -> None:
+    """when the outermost call ends by raising, its kept outputs are dropped at once."""
+    refs: list[weakref.ref] = []
+
+    Block = doubler(refs)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -423,15 +431,11 @@ def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -
 
 
 def test_under_no_grad_module_outputs_are_not_kept_alive_and_births_are_still_op_precise() -> None:
-    """Fix 7: a no-grad output is kept by weakref (its statistics read at once); a freed one is named by
+    """a no-grad output is kept by weakref (its statistics read at once); a freed one is named by
     replaying the whole model call, as the always-on watch names it."""
     refs: list[weakref.ref] = []
 
-    class Block(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = x * 2
-            refs.append(weakref.ref(y))
-            return y
+    Block = doubler(refs)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -489,7 +493,7 @@ class DataclassOut(nn.Module):
 @pytest.mark.parametrize("cls,marker", [(TupleOut, "@replay-" + "tuple-second"),
                                         (DataclassOut, "@replay-" + "dataclass")])
 def test_a_birth_in_a_later_or_dataclass_output_is_found_as_by_the_always_on_watch(cls: type, marker: str) -> None:
-    """Fix 4: every float leaf of a module's output is checked, not only the first tensor."""
+    """every float leaf of a module's output is checked, not only the first tensor."""
     x = torch.randn(2, 4)
     reports = {}
     for replay in (False, True):
@@ -537,7 +541,7 @@ class Counting(nn.Module):
 
 
 def test_a_replay_repeats_no_side_effect_of_the_forward() -> None:
-    """Fix 2: a call with an object argument (a KV cache) is not replayed; a module's own attributes
+    """a call with an object argument (a KV cache) is not replayed; a module's own attributes
     (a counter, a list) are put back after a replay, with a note."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
@@ -573,7 +577,7 @@ class SqrtCounted(nn.Module):
 
 
 def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() -> None:
-    """Fix 9: the forward is replayed only with the weights it ran with."""
+    """the forward is replayed only with the weights it ran with."""
     torch.manual_seed(0)
     model, x = SqrtCounted(), torch.randn(2, 3)
     FORWARDS.clear()
@@ -587,7 +591,7 @@ def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() ->
 
 
 def test_backward_birth_naming_replays_the_forward_under_its_autocast() -> None:
-    """Fix 9: a forward that ran under autocast is replayed under it (the backward ran outside)."""
+    """a forward that ran under autocast is replayed under it (the backward ran outside)."""
     reports = {}
     for replay in (False, True):
         torch.manual_seed(0)
