@@ -301,7 +301,7 @@ class NormThenLog(nn.Module):
 
 
 def test_replay_never_writes_the_users_buffers_so_their_backward_still_runs() -> None:
-    """the replay swaps detached clones in for the buffers; autograd's saved buffers keep their version."""
+    """The replay swaps detached clones in for the buffers; autograd's saved buffers keep their version."""
     torch.manual_seed(0)
     x = torch.randn(8, 4)
     torch.manual_seed(0)
@@ -333,7 +333,7 @@ class TwoBirths(nn.Module):
 
 
 def test_a_later_birth_in_a_module_that_already_has_an_event_is_still_found() -> None:
-    """only the events of the running check say "an inner call's birth, replayed already"."""
+    """Only the events of the running check say "an inner call's birth, replayed already"."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     reports = {}
@@ -362,7 +362,7 @@ class WritesChildOutput(nn.Module):
 
 
 def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_parent() -> None:
-    """a kept output written in place since its module returned is not the child's birth."""
+    """A kept output written in place since its module returned is not the child's birth."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     reports = {}
@@ -379,7 +379,7 @@ def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_par
 
 
 def test_a_global_module_hook_of_the_user_runs_once_the_call_is_not_replayed() -> None:
-    """a global module hook (not the watch's own) would run again in a replay."""
+    """A global module hook (not the watch's own) would run again in a replay."""
     from torch.nn.modules.module import register_module_forward_hook
 
     torch.manual_seed(0)
@@ -408,7 +408,7 @@ def doubler(refs: list) -> type:
 
 
 def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -> None:
-    """when the outermost call ends by raising, its kept outputs are dropped at once."""
+    """When the outermost call ends by raising, its kept outputs are dropped at once."""
     refs: list[weakref.ref] = []
 
     Block = doubler(refs)
@@ -431,7 +431,7 @@ def test_a_forward_that_raised_keeps_nothing_alive_for_the_rest_of_the_watch() -
 
 
 def test_under_no_grad_module_outputs_are_not_kept_alive_and_births_are_still_op_precise() -> None:
-    """a no-grad output is kept by weakref (its statistics read at once); a freed one is named by
+    """A no-grad output is kept by weakref (its statistics read at once); a freed one is named by
     replaying the whole model call, as the always-on watch names it."""
     refs: list[weakref.ref] = []
 
@@ -493,7 +493,7 @@ class DataclassOut(nn.Module):
 @pytest.mark.parametrize("cls,marker", [(TupleOut, "@replay-" + "tuple-second"),
                                         (DataclassOut, "@replay-" + "dataclass")])
 def test_a_birth_in_a_later_or_dataclass_output_is_found_as_by_the_always_on_watch(cls: type, marker: str) -> None:
-    """every float leaf of a module's output is checked, not only the first tensor."""
+    """Every float leaf of a module's output is checked, not only the first tensor."""
     x = torch.randn(2, 4)
     reports = {}
     for replay in (False, True):
@@ -541,7 +541,7 @@ class Counting(nn.Module):
 
 
 def test_a_replay_repeats_no_side_effect_of_the_forward() -> None:
-    """a call with an object argument (a KV cache) is not replayed; a module's own attributes
+    """A call with an object argument (a KV cache) is not replayed; a module's own attributes
     (a counter, a list) are put back after a replay, with a note."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
@@ -577,7 +577,7 @@ class SqrtCounted(nn.Module):
 
 
 def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() -> None:
-    """the forward is replayed only with the weights it ran with."""
+    """The forward is replayed only with the weights it ran with."""
     torch.manual_seed(0)
     model, x = SqrtCounted(), torch.randn(2, 3)
     FORWARDS.clear()
@@ -591,7 +591,7 @@ def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() ->
 
 
 def test_backward_birth_naming_replays_the_forward_under_its_autocast() -> None:
-    """a forward that ran under autocast is replayed under it (the backward ran outside)."""
+    """A forward that ran under autocast is replayed under it (the backward ran outside)."""
     reports = {}
     for replay in (False, True):
         torch.manual_seed(0)
