@@ -17,7 +17,8 @@ Targets (issue 11): op mode <= 1.10x on GPT-2-small-like and <= 1.5x on the smal
 Rows: ``plain``; ``anomaly`` / ``anomaly+nan`` (``detect_anomaly(check_nan=...)``, the anchor);
 ``nanwatch`` (op mode, the default ``replay=True``: the per-op watch off inside a model's forward, each
 module call's output checked when the model returns and a non-finite call replayed under the per-op
-watch; the per-op watch on in backward, optimizer and code outside modules); ``nanwatch-always``
+watch; the backward unwatched, checked per module and weight gradient and replayed when non-finite; the
+per-op watch on in code outside modules, e.g. the loss); ``nanwatch-always``
 (``replay=False``: the per-op watch on for the whole step, same report); ``nanwatch-module`` (module
 outputs and the gradients into them only).
 """

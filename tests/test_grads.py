@@ -286,3 +286,19 @@ def test_unused_embedding_rows_are_not_dead_units() -> None:
     report = grads(model)
     assert report.layer(0).param("weight").dead_units == 97
     assert not report.flags_at()
+
+
+def test_zeros_of_a_large_gradient_are_counted_exactly_in_snapshots_and_exact_last_steps() -> None:
+    """From 2**20 elements the non-zeros are counted by count_nonzero, not a float32 "0-norm": still
+    exact, a NaN counted as non-zero, dead units unchanged."""
+    model = nn.Linear(1024, 1024, bias=False)
+    g = torch.randn(1024, 1024)
+    g[:3] = 0.0
+    g[5, :10] = 0.0
+    g[6, 7] = math.nan
+    model.weight.register_hook(lambda _: g.clone())
+    with record_gradients(model) as rec:
+        model(torch.ones(1, 1024)).sum().backward()
+    for w in (grads(model).layer(0).param("weight"), rec.layer(0).param("weight")):
+        assert (w.zeros, w.nan, w.inf, w.dead_units) == (3 * 1024 + 10, 1, 0, 3) and w.exact
+        assert sum(w.hist.counts) == 1024 * 1024 - 1

@@ -181,3 +181,24 @@ def test_double_precision_parameters_are_recorded(mixed: bool) -> None:
     last = rec.layer(1, 1).param("weight")  # layers with parameters: model.0 and model.2
     assert last.norm == pytest.approx(float(model[2].weight.grad.norm()), rel=1e-5)
     assert rec.layer(0, 1).param("weight").norm == pytest.approx(float(model[0].weight.grad.norm()), rel=1e-5)
+
+
+def test_rows_written_again_after_a_flush_give_the_trace_of_one_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps write their samples into rows allocated ahead, and a flushed chunk is written again by
+    the next steps: flushing every 2 steps (and reducing one step at a time) must give the numbers
+    of a single flush at the end, update ratios included."""
+    def run() -> object:
+        model, opt, idx = setup()
+        with record_gradients(model, name="m") as rec:
+            for _ in range(7):
+                step(model, opt, idx)
+        return rec.trace
+
+    once = run()
+    monkeypatch.setattr(rec_mod, "_FLUSH", 2)
+    monkeypatch.setattr(rec_mod, "_CPU_CHUNK", 1)
+    often = run()
+    assert often.steps == once.steps == tuple(range(7))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(often.stats, once.stats, rtol=1e-6, equal_nan=True)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(often.hist, once.hist)  # type: ignore[attr-defined]
+    assert not np.isnan(often.stats[:, :, FIELD["update_ratio"]]).any()  # type: ignore[attr-defined]

@@ -124,3 +124,33 @@ def test_dead_units_are_exact_for_tiny_and_non_finite_gradients() -> None:
         model(torch.ones(1, 3)).sum().backward()
     w = rec.layer(0).param("weight")
     assert w.dead_units == 2 and w.zeros == 12 and w.exact
+
+
+def test_a_flush_reduces_again_in_full_only_the_steps_holding_a_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the end the kept steps are reduced as finite (a third of the passes); a step holding a
+    NaN or an Inf is then reduced again in full: the same numbers as a single reduction at the end,
+    for one more host copy at that flush only."""
+    bad = torch.tensor([[math.nan, 0.0, 1.0, 2.0], [0.0, math.inf, 3.0, 1.0], [1.0, 2.0, -math.inf, 0.0]])
+
+    def run() -> tuple[object, int]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        steps = iter(range(6))
+        model.weight.register_hook(lambda g: bad.clone() if next(steps) == 1 else g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with counting_host_syncs() as counted:
+            with record_gradients(model, bins=8) as rec:
+                for _ in range(6):
+                    opt.zero_grad()
+                    model(torch.ones(2, 4)).sum().backward()
+                    opt.step()
+        return rec.trace, counted.count
+
+    once, once_copies = run()
+    monkeypatch.setattr(rec_mod, "_FLUSH", 3)  # steps 0-2, the NaN one among them, flushed before step 3
+    flushed, flushed_copies = run()
+    assert flushed_copies == once_copies + 2  # the flush, and its second copy for the step with the NaN
+    np.testing.assert_array_equal(flushed.stats, once.stats)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(flushed.hist, once.hist)  # type: ignore[attr-defined]
+    w = flushed.layer(0, 1).param("weight")  # type: ignore[attr-defined]
+    assert (w.nan, w.inf, w.zeros) == (1, 2, 3) and sum(w.hist.counts) == 9

@@ -14,6 +14,8 @@ from torch_nbdebug.api.grads import grads, record_gradients
 from torch_nbdebug.data.grads import FIELD
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.record import grads as rec_mod
+from torch_nbdebug.record import grads_steps
+from torch_nbdebug.record.grads_steps import sample_indices
 
 
 class Reordered(nn.Module):
@@ -286,3 +288,228 @@ def test_half_precision_gradients_do_not_overflow_their_norm() -> None:
     assert w.norm == pytest.approx(102400.0, rel=1e-3) and w.nan == 0 and w.inf == 0
     assert not [f for f in rec.flags_at() if f.kind == "non-finite"]
     assert grads(model).layer(0).param("weight").norm == pytest.approx(102400.0, rel=1e-3)
+
+
+def test_the_exact_last_step_equals_a_snapshot_of_the_same_gradients() -> None:
+    """The last step's whole parameters come from its sample, the sampled ones from a pass over every
+    element that reuses the norm, sum, min and max measured at the step: every statistic is still the
+    snapshot's, for gradients with NaN and Inf (taken over their finite values) and nearly constant ones
+    (float64 variance) too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 20), nn.Linear(20, 3))  # weights of 1200 and 600: sampled
+    fixed = {0: torch.randn(30, 40), 3: torch.randn(20), 5: 1.0 + 1e-5 * torch.randn(3), 4: torch.randn(3, 20)}
+    fixed[0][0, :3] = torch.tensor([math.nan, math.inf, -math.inf])  # sampled, with non-finite values
+    fixed[3][:4] = torch.tensor([math.nan, math.inf, 0.0, 0.0])  # whole, with non-finite values and zeros
+    fixed[4][1] = 0.0  # a dead unit of a whole matrix
+    params = list(model.parameters())
+    for i, g in fixed.items():
+        params[i].register_hook(lambda _, g=g: g.clone())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with record_gradients(model, sample=256, bins=16) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 40)).sum().backward()
+            opt.step()
+    snap = grads(model, bins=16)
+    assert rec.trace.exact[-1].all() and not rec.trace.exact[0, 0]
+    fields = ("norm", "mean", "std", "max_abs", "mean_abs", "zeros", "nan", "inf", "dead_units")
+    for li in range(3):
+        for a, b in zip(rec.layer(li).params, snap.layer(li).params):
+            for field in fields:
+                got, want = getattr(a, field), getattr(b, field)  # None: unknown (a vector's dead units)
+                assert (got is None and want is None) or got == pytest.approx(want, rel=1e-5, abs=1e-9), \
+                    (a.name, field, got, want)
+            assert (a.hist.lo, a.hist.hi) == pytest.approx((b.hist.lo, b.hist.hi)), a.name
+            assert np.abs(np.array(a.hist.counts) - np.array(b.hist.counts)).sum() <= 2, a.name  # edge rounding
+            assert sum(a.hist.counts) == sum(b.hist.counts), a.name
+    assert rec.layer(2).param("bias").std == pytest.approx(float(fixed[5].double().std()), rel=1e-4)
+    assert rec.layer(2).param("weight").dead_units == 1
+    assert rec.layer(1).param("bias").mean == pytest.approx(float(fixed[3][2:].mean()), rel=1e-5)
+
+
+def test_recordings_of_one_model_sample_the_same_elements() -> None:
+    """The sampled elements are drawn once per size and reused: two recordings of the same gradient
+    give the same estimates, and a parameter of another size its own sample."""
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 90))
+    fixed = [torch.randn(100, 100), torch.randn(90, 100)]
+    for layer, g in zip(model, fixed):
+        layer.weight.register_hook(lambda _, g=g: g.clone())
+    traces = []
+    for _ in range(2):
+        model.zero_grad()
+        with record_gradients(model, sample=64, bins=8, exact_last=False) as rec:
+            model(torch.randn(2, 100)).sum().backward()
+        traces.append(rec.trace)
+    np.testing.assert_array_equal(traces[0].stats, traces[1].stats)
+    np.testing.assert_array_equal(traces[0].hist, traces[1].hist)
+    sampled = [rec.layer(i).param("weight").mean_abs for i in range(2)]
+    expected = [float(g.reshape(-1)[torch.tensor(sample_indices(g.numel(), 64))].abs().mean())
+                for g in fixed]
+    assert sampled == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("default", [torch.float16, torch.bfloat16, torch.float64])
+def test_statistics_do_not_depend_on_the_default_dtype(default: torch.dtype) -> None:
+    """A session that set another default dtype (``torch.set_default_dtype(torch.bfloat16)`` before
+    building a model) records a float32 model exactly as a float32 session does: the samples are kept
+    in float32, not cast to the default dtype (Inf in float16, 3 digits in bfloat16)."""
+    def run(dtype: torch.dtype) -> object:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 3000))
+        model[2].weight.register_hook(lambda g: g * 1e5)  # beyond float16, finite in float32
+        opt = torch.optim.SGD(model.parameters(), lr=1e-10)
+        x = torch.randn(8, 32)
+        torch.set_default_dtype(dtype)
+        try:
+            with record_gradients(model, name="m", sample=256, bins=8) as rec:
+                for _ in range(3):
+                    opt.zero_grad()
+                    model(x).pow(2).sum().backward()
+                    opt.step()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return rec.trace
+
+    want, got = run(torch.float32), run(default)
+    np.testing.assert_array_equal(got.stats, want.stats)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(got.hist, want.hist)  # type: ignore[attr-defined]
+    assert got.stats[0, 2, FIELD["inf"]] == 0  # type: ignore[attr-defined]  # step 0: from the sample
+
+
+def test_histogram_counts_do_not_depend_on_the_default_dtype() -> None:
+    """Counted in float32 whatever the default dtype: a float16 count stops growing at 2048 (one bin
+    here, to hold every element)."""
+    def run(dtype: torch.dtype) -> np.ndarray:
+        torch.manual_seed(0)
+        model = nn.Linear(64, 64, bias=False)  # 4096 elements: taken whole by the sample
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        torch.set_default_dtype(dtype)
+        try:
+            with record_gradients(model, name="m", bins=1, exact_last=False) as rec:
+                for _ in range(2):
+                    opt.zero_grad()
+                    model(torch.randn(4, 64, dtype=torch.float32)).sum().backward()
+                    opt.step()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return rec.trace.hist
+
+    hist = run(torch.float16)
+    assert hist.sum(axis=2)[:, 0].tolist() == [4096.0, 4096.0]
+    np.testing.assert_array_equal(hist, run(torch.float32))
+
+
+def _live_chunks(monkeypatch: pytest.MonkeyPatch) -> "list[weakref.ref[grads_steps.Chunk]]":
+    """Every sample chunk the recorder allocates from now on, weakly: read the live ones' bytes."""
+    made: "list[weakref.ref[grads_steps.Chunk]]" = []
+
+    class Counted(grads_steps.Chunk):
+        def __init__(self, layout: grads_steps.Layout, capacity: int) -> None:
+            super().__init__(layout, capacity)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(grads_steps, "Chunk", Counted)
+    return made
+
+
+def _held_bytes(made: "list[weakref.ref[grads_steps.Chunk]]") -> int:
+    chunks = [c for c in (r() for r in made) if c is not None]
+    return sum(c.x.nbytes + (c.w.nbytes if c.w is not None else 0) for c in chunks)
+
+
+class TopTwo(nn.Module):
+    """A mixture of experts routing each step to two of eight experts: a new parameter set every step."""
+
+    def __init__(self, d: int = 64, n: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        pick = torch.randperm(len(self.experts), generator=torch.Generator().manual_seed(step))[:2].tolist()
+        return self.router(x).sum() + sum(self.experts[i](x).sum() for i in pick)
+
+
+def _record_top_two(made: "list[weakref.ref[grads_steps.Chunk]]", steps: int) -> tuple[object, int, set[int]]:
+    """A recording of ``steps`` steps of :class:`TopTwo`, the most bytes its chunks held at once and
+    the sizes of their rows."""
+    torch.manual_seed(0)
+    model = TopTwo()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    peak, sizes = 0, set()
+    with record_gradients(model, name="m", bins=8) as rec:
+        for i in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(i)), i).backward()
+            opt.step()
+            peak = max(peak, _held_bytes(made))
+            sizes |= {c.layout.size for c in (r() for r in made) if c is not None}
+    return rec.trace, peak, sizes
+
+
+def test_a_parameter_set_changing_every_step_keeps_chunk_memory_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixture-of-experts routing (or LayerDrop) changes the parameters with a gradient at every step.
+    The sample rows allocated ahead for the steps stay within ``_MAX_KEPT`` (a chunk of a window's rows
+    for nearly every step took 3 times the bound here, and 4 GiB on a GPU), near what the steps write,
+    and a bound reached flushes early with the numbers unchanged."""
+    made = _live_chunks(monkeypatch)
+    size = 512 + 2 * 4096 + 3 * 256  # elements of one step's sample: router, two experts, biases padded
+    trace, peak, sizes = _record_top_two(made, 80)
+    assert sizes == {size}
+    assert peak <= rec_mod._MAX_KEPT * 4
+    first = -(-rec_mod._CPU_CHUNK // size)  # rows of the first chunk, allocated before the set changes
+    assert peak <= 4 * 3 * size * (2 * rec_mod._FLUSH + first)  # at most twice the rows a window writes
+
+    monkeypatch.setattr(rec_mod, "_MAX_KEPT", 3 * size * 10)  # ten steps' rows: flushes forced by the bound
+    made.clear()
+    bounded, peak, _ = _record_top_two(made, 80)
+    assert peak <= rec_mod._MAX_KEPT * 4
+    assert bounded.steps == trace.steps == tuple(range(80))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(bounded.stats, trace.stats, rtol=1e-6, equal_nan=True)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(bounded.hist, trace.hist)  # type: ignore[attr-defined]
+
+
+def test_a_steady_parameter_set_reuses_one_chunk_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk as large as ``_MAX_KEPT`` allows: the flush comes before a step that would need a
+    second one (it came a step later, holding twice the bound), and later steps write into it again."""
+    model = nn.Linear(32, 32)  # one sample: 1024 + 32 padded to 256 = 1280 elements
+    size = 1280
+    monkeypatch.setattr(rec_mod, "_CPU_CHUNK", 4 * size)  # chunks of 4 rows...
+    monkeypatch.setattr(rec_mod, "_MAX_KEPT", 3 * 4 * size + size)  # ...that fill the bound, weights included
+    made = _live_chunks(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    peak = 0
+    with record_gradients(model, name="m") as rec:
+        for _ in range(13):
+            opt.zero_grad()
+            model(torch.randn(2, 32)).sum().backward()
+            opt.step()
+            peak = max(peak, _held_bytes(made))
+            assert made[0]().layout.size == size  # type: ignore[union-attr]
+    assert peak <= rec_mod._MAX_KEPT * 4 and len(made) == 1
+    assert rec.trace.steps == tuple(range(13))
+    assert not np.isnan(rec.trace.stats[:, 0, FIELD["update_ratio"]]).any()
+
+
+def test_a_copy_failing_at_the_end_leaves_grad_mode_on_and_no_gradient_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device error surfaces at the first host copy, the one at the block's end, while the job making
+    the last step exact has started: the error reaches the user, and with its traceback kept (as a
+    notebook keeps it) gradients are still on and the recorder holds none of the user's gradients."""
+    def device_error(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(rec_mod, "to_host", device_error)
+    with pytest.raises(RuntimeError, match="device-side assert") as failed:
+        with record_gradients(model, name="m", sample=16):  # the 48-element weight is sampled
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+    assert failed.value.__traceback__ is not None  # kept, as IPython keeps sys.last_traceback
+    assert torch.is_grad_enabled()
+    grad = weakref.ref(model[0].weight.grad)
+    model.zero_grad(set_to_none=True)
+    assert grad() is None

@@ -17,22 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_nbdebug.api import nanwatch as nanwatch_api
 from torch_nbdebug.api.nanwatch import NanEvent, nanwatch
+
+from nanwatch_paths import immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
 
 SRC = open(__file__).read().splitlines()
 
 
-@pytest.fixture(autouse=True)
-def immediate_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replay is the immediate (CPU) path's: never let a CUDA-initialised process pick the deferred one."""
-    monkeypatch.setattr(nanwatch_api, "_cuda_in_use", lambda: False)
-
-
 def line(marker: str) -> int:
-    found = [i + 1 for i, text in enumerate(SRC) if marker in text and "line(" not in text]
-    assert len(found) == 1, marker
-    return found[0]
+    return marker_line(SRC, marker)
 
 
 def same(a: NanEvent, b: NanEvent) -> None:
@@ -576,18 +569,21 @@ class SqrtCounted(nn.Module):
         return torch.sqrt((self.fc(x) * 0).abs())  # @replay-counted-sqrt
 
 
-def test_backward_birth_naming_does_not_replay_after_a_manual_weight_update() -> None:
-    """The forward is replayed only with the weights it ran with."""
+def test_a_backward_birth_is_replayed_once_as_the_backward_ends_before_a_manual_weight_update() -> None:
+    """The forward is replayed only with the weights it ran with: at the end of the backward, before
+    the user's own update; nothing replays it again afterwards (nanwatch_backward)."""
     torch.manual_seed(0)
     model, x = SqrtCounted(), torch.randn(2, 3)
     FORWARDS.clear()
     with nanwatch(replay=True, namespace={"model": model}) as report:
         model(x).sum().backward()
+        assert FORWARDS == [1, 1]  # the call, and its replay
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * torch.nan_to_num(p.grad)
-    assert FORWARDS == [1]
-    assert report.first.phase == "backward" and report.first.forward_op is None
+    assert FORWARDS == [1, 1]
+    assert report.first.phase == "backward" and report.first.forward_op == "aten.sqrt.default"
+    assert report.first.lineno == line("@replay-counted-sqrt")
 
 
 def test_backward_birth_naming_replays_the_forward_under_its_autocast() -> None:

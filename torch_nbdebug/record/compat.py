@@ -513,3 +513,46 @@ def failed_call_kwargs(module: torch.nn.Module) -> Optional[dict]:
             return dict(kwargs) if isinstance(kwargs, dict) else None
         frame = frame.f_back
     return None
+
+
+def autocast_off() -> bool:
+    """True when autocast is on for no device: :func:`autocast_state` is then ``()`` (two flag reads
+    instead of four calls; nanwatch asks at every module call)."""
+    try:
+        return not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))  # type: ignore[call-arg]
+    except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch < 2.4
+        return not autocast_state()
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether a ``torch.autograd.graph.saved_tensors_hooks`` context is active on this thread (its
+    pack hook runs for every tensor saved for backward now, its unpack hook when one is read back)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - another torch: assume hooks
+        return True
+
+
+def leaf_hooks(tensor: torch.Tensor, own: tuple[type, ...] = ()) -> bool:
+    """Whether a leaf tensor has hooks of the user's that run in backward: ``register_hook`` (other than
+    instances of the ``own`` classes) or ``register_post_accumulate_grad_hook`` (read from torch's dicts)."""
+    hooks = getattr(tensor, "_backward_hooks", None) or {}
+    return any(not isinstance(h, own) for h in hooks.values()) \
+        or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+
+
+def replace_tensor_hook(tensor: torch.Tensor, handle_id: int, old: Any, new: Any) -> None:
+    """Put ``new`` in the place of the tensor hook ``old`` registered under ``handle_id`` (the id of the
+    ``RemovableHandle`` ``register_hook`` returned); nothing when the hook was removed or replaced."""
+    hooks = getattr(tensor, "_backward_hooks", None)
+    if hooks is not None and hooks.get(handle_id) is old:
+        hooks[handle_id] = new
+
+
+def embedding_pads(node: Any) -> bool:
+    """Whether an ``EmbeddingBackward0`` node has a ``padding_idx`` (its backward zeroes that row's
+    gradient; torch saves "none" as -1, read back as 2**64 - 1)."""
+    try:
+        return 0 <= int(node._saved_padding_idx) < 2**63
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - another torch: assume so
+        return True

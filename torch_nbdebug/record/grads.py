@@ -11,10 +11,14 @@ synchronises with the host (see :mod:`torch_nbdebug.record.grads_steps`):
   of w is taken before and after ``optimizer.step()``). Parameters with at most ``sample`` elements
   are sampled whole, so their values are exact.
 
-The samples stay on the device; every ``_FLUSH`` steps (or ``_MAX_KEPT`` elements, or at the end)
-they are reduced for all kept steps at once and copied to the host in one transfer. The last step is
-recomputed exactly at exit when its gradients are still there (``exact_last``), its first copy joined
-with that last transfer: a recording of a few steps costs two host synchronisations in all.
+The samples stay on the device, in rows allocated ahead (:class:`~torch_nbdebug.record.grads_steps.Chunk`);
+every ``_FLUSH`` steps (or before those rows would take over ``_MAX_KEPT`` elements, or at the end)
+they are reduced for all kept steps at once and copied to the host in one transfer (before the end,
+taken as finite: a step that held a NaN or an Inf after all is reduced again, for one more
+transfer). The last step is made exact at exit when its gradients are still there (``exact_last``):
+its parameters taken whole already are, so only the sampled ones are measured over every element
+(their norm, sum, min and max kept from the step), the first copy joined with that last transfer: a
+recording of a few steps costs two host synchronisations in all.
 """
 from __future__ import annotations
 
@@ -30,9 +34,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.grads_stats import (
-    activation_row, exact_job, exact_rows, raw_to_stats, run_job, to_host, usable,
+    LastJob, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
+    whole_columns,
 )
-from torch_nbdebug.record.grads_steps import RAW, Sampler, norms_only, reduce_rows, sampled_rows
+from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 
 # Forward order learnt by a recording, reused by later snapshots of the same model (weak: never
@@ -40,8 +45,8 @@ from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 _FORWARD_ORDER: "WeakIdMap[nn.Module, tuple[str, ...]]" = WeakIdMap()
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
-_MAX_KEPT = 1 << 24  # sample elements kept on the device between host copies (64 MB of float32)
-_CPU_CHUNK = 1 << 18  # sample elements reduced together on a CPU (1 MB of float32: a core's cache)
+_MAX_KEPT = 1 << 24  # sample elements held on the device between host copies, empty rows included (64 MB)
+_CPU_CHUNK = 1 << 18  # sample elements reduced (and rows allocated) together on a CPU (1 MB of float32: in cache)
 
 
 def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None
@@ -111,7 +116,7 @@ class GradRecorder:
         self._steps = 0
         self._hist_every = 1
         self._before: Optional[torch.Tensor] = None
-        self._kept = 0  # sample elements held by the pending rows
+        self._chunks = Chunks(self._chunk_rows)  # where the steps' samples are written
         self._last: Optional[list[tuple[Any, int]]] = None
         self.trace: Optional[GradTrace] = None
 
@@ -217,78 +222,89 @@ class GradRecorder:
         row = None
         if not self._opt_seen:  # from now on steps are optimizer steps: drop the backward-only rows
             reuse = self._pending[-1] if self._pending and self._last_still_there() else None
-            self._opt_seen, self._pending, self._host, self._steps, self._kept = True, [], [], 0, 0
+            self._opt_seen, self._pending, self._host, self._steps = True, [], [], 0
             for handle in self._grad_handles:  # from now on backward passes are not steps: no call per parameter
                 handle.remove()
             if reuse is not None:  # the last backward's row already holds these very gradients
                 row = dict(reuse, step=0, kind="optimizer")
                 self._pending.append(row)
-                self._steps, self._kept = 1, row["layout"].size
+                self._steps = 1
+            else:  # the dropped rows' chunks are free
+                self._chunks.recycle()
         row = row or self._record("optimizer")
         if row is not None:
             with torch.no_grad():
                 # Gathered again each step: writes through ``p.data`` (clipping, EMA swaps) change the
                 # weights without bumping any version, so the last step's "after" cannot stand in.
-                self._before = self._gather_params(row)
+                self._before = self._gather_params(row, after=False)
 
     def _after_step(self, opt: Any) -> None:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
             return
         row = self._pending[-1]
         with torch.no_grad():  # reduced with the row at the next flush: no work per parameter now
-            row["before"], row["after"] = self._before, self._gather_params(row)
-        self._kept += 2 * row["layout"].size
+            row["before"], row["after"] = self._before, self._gather_params(row, after=True)
         self._before = None
 
-    def _gather_params(self, row: dict[str, Any]) -> torch.Tensor:
-        return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"])
+    def _gather_params(self, row: dict[str, Any], after: bool) -> torch.Tensor:
+        out = row["chunk"].weights()[int(after), row["slot"]]
+        return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"], out)
+
+    @staticmethod
+    def _chunk_rows(layout: Layout) -> int:
+        """Rows of a new chunk: the steps reduced together (on a CPU a cache-sized group of steps, on a
+        device all the steps between host copies), within ``_MAX_KEPT`` with the weights' rows."""
+        rows = -(-_CPU_CHUNK // layout.size) if layout.device.type == "cpu" else _FLUSH
+        return max(1, min(rows, _MAX_KEPT // (3 * layout.size)))
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
         present = tuple(i for i, p in enumerate(self._params) if usable(p.grad))
         if not present:
             return None
-        if len(self._pending) >= _FLUSH or self._kept >= _MAX_KEPT:
+        layout = self._sampler.layout(present, self._params[present[0]].grad.device)
+        if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
         with torch.no_grad():
-            row = sampled_rows(self._params, present, self._sampler)
+            row = sampled_rows(self._params, present, self._sampler, self._chunks.row_for)
             row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
                 dev = row["layout"].device
-                nan = torch.full((len(ACT_FIELDS),), math.nan, device=dev)
+                nan = torch.full((len(ACT_FIELDS),), math.nan, dtype=torch.float32, device=dev)
                 row["act"] = torch.stack([self._act.get(li, nan).to(dev) for li in range(len(self._live))])
         self._last = [(weakref.ref(self._params[i].grad), compat.tensor_version(self._params[i].grad)) for i in present]
         self._pending.append(row)
-        self._kept += row["layout"].size
         self._steps += 1
         return row
 
-    def _flush(self, extra: Sequence[torch.Tensor] = (), last_exact: bool = False) -> list[np.ndarray]:
+    def _flush(self, extra: Sequence[torch.Tensor] = (), final: bool = False) -> list[np.ndarray]:
         """Reduce the kept steps and copy them to the host with ``extra``: one transfer for many steps
-        (not one per parameter or per step). Returns the host copies of ``extra``. ``last_exact``: the
-        last step is recomputed exactly, so only its norms and update ratio are needed from here."""
-        rows, self._pending, self._kept = self._pending, [], 0
+        (not one per parameter or per step). Returns the host copies of ``extra``. Before the end
+        (not ``final``) the samples are taken as finite, the rows that were not reduced again in full:
+        a second transfer, only when some gradient held a NaN or an Inf."""
+        rows, self._pending = self._pending, []
         groups: list[list[dict[str, Any]]] = []
-        for r in rows[:-1] if last_exact else rows:  # consecutive steps with the same parameters together
+        for r in rows:  # consecutive steps with the same parameters (and chunk) together
             layout = r["layout"]
             # On a CPU, a few steps at a time: each pass over the samples then stays in the cache.
             fits = layout.device.type != "cpu" or len(groups[-1]) * layout.size < _CPU_CHUNK if groups else False
-            if groups and groups[-1][0]["layout"] is layout and fits:
+            if groups and groups[-1][0]["layout"] is layout and groups[-1][0]["chunk"] is r["chunk"] and fits:
                 groups[-1].append(r)
             else:
                 groups.append([r])
         with torch.no_grad():
-            reduced = [reduce_rows(g, self.bins) for g in groups]
-            if last_exact and rows:
-                groups.append(rows[-1:])
-                reduced.append(norms_only(rows[-1:]))
+            reduced = [reduce_rows(g, self.bins, finite=not final) for g in groups]
             for g, out in zip(groups, reduced):
                 if self.activations:
                     out["act"] = torch.stack([r["act"] for r in g])
         wanted = [t for out in reduced for t in out.values()]
         host = iter(to_host(wanted + list(extra)))
-        for group, out in zip(groups, reduced):
-            self._keep_on_host(group, {key: next(host) for key in out})
+        arrays = [{key: next(host) for key in out} for out in reduced]
+        if not final:
+            redo_dirty(groups, arrays, self.bins)
+        self._chunks.recycle()
+        for group, arrays_of_group in zip(groups, arrays):
+            self._keep_on_host(group, arrays_of_group)
         if rows:
             self._thin()
         return list(host)
@@ -302,7 +318,7 @@ class GradRecorder:
             raw = np.full((n_p, len(RAW) + 1), np.nan)
             raw[:, -1] = 0
             raw[present, :-1], raw[present, -1] = arrays["raw"][i], 1
-            host: dict[str, Any] = {"step": r["step"], "kind": r["kind"], "raw": raw,
+            host: dict[str, Any] = {"step": r["step"], "kind": r["kind"], "raw": raw, "last": r.get("last", False),
                                     "act": arrays["act"][i] if "act" in arrays else None}
             if r["want_hist"] and "hist" in arrays:
                 host["hist"], host["range"] = np.zeros((n_p, self.bins)), np.full((n_p, 2), np.nan)
@@ -315,18 +331,26 @@ class GradRecorder:
         while sum("hist" in h for h in self._host) > _MAX_HISTS:
             self._hist_every *= 2
             for h in self._host:
-                if "hist" in h and h["step"] % self._hist_every:
+                if "hist" in h and h["step"] % self._hist_every and not h["last"]:  # the exact last one stays
                     del h["hist"], h["range"]
 
     # -- result ----------------------------------------------------------------------------
     def finish(self) -> GradTrace:
         if self._order:
             remember_order(self.model, tuple(self._order))
+        last = None
+        try:
+            last = self._exact_last_job()
+            return self._trace(last)
+        finally:  # also when a copy fails part-way: no suspended job, no reference to the user's tensors
+            if last is not None:
+                last[0].close()
+            self._release()
+
+    def _trace(self, last: Optional[tuple[LastJob, list[int], list[int]]]) -> GradTrace:
         live, params, layers, infos, order = layers_of(self.model, self.name, tuple(self._order) or None)
-        redo = (self._host or self._pending) and self.exact_last and self._last_still_there()
-        job = exact_job(params, self.bins, param_norms=False) if redo else None
         # The kept steps and the exact last step's first reductions share one host copy.
-        first = self._flush(next(job) if job is not None else (), last_exact=job is not None)
+        first = self._flush(next(last[0]) if last is not None else (), final=True)
         old = {id(p): i for i, p in enumerate(self._params)}
         perm = [old[id(p)] for p in params]
         lperm = [[s for s, _ in self._live].index(sub) for sub, _ in live]
@@ -340,16 +364,18 @@ class GradRecorder:
         skipped = [info.name for info, p in zip(self._infos, self._params) if p.grad is not None and not usable(p.grad)]
         if skipped:
             notes.append(f"sparse, complex or integer gradients not analysed: {', '.join(skipped[:5])}")
-        if job is not None:
-            s_last, h_last, r_last = run_job(job, first)
-            for key in ("update_ratio", "param_norm"):  # both belong to the moment of the step, not now
-                s_last[:, FIELD[key]] = stats[-1, :, FIELD[key]]
-            stats[-1], exact[-1] = s_last, True
-            if kept and kept[-1] == len(self._host) - 1:
-                hist[-1], rng[-1] = h_last, r_last
-            else:
-                kept.append(len(self._host) - 1)
-                hist, rng = np.concatenate([hist, h_last[None]]), np.concatenate([rng, r_last[None]])
+        if last is not None:
+            job, big, whole = last
+            whole_cols = whole_columns(self._host[-1]["raw"][whole], self._sampler.numel[whole])  # from its sample
+            cols, counts, lo_hi, fixed, dead_whole = run_job(job, first + [whole_cols])
+            new = np.argsort(perm)  # recorder's parameter index -> the trace's
+            redone = new[big + [whole[j] for j in fixed]]
+            for key, values in cols.items():  # the sampled parameters (and a few whole), over every element
+                stats[-1, redone, FIELD[key]] = values
+            matrices = new[[i for i in whole if self._params[i].grad.dim() >= 2]]
+            stats[-1, matrices, FIELD["dead_units"]] = dead_whole  # all the sample could not say
+            exact[-1] = True
+            hist[-1, redone], rng[-1, redone] = counts, lo_hi  # the last row always keeps its histogram
         if not exact.all():
             notes.append(f"histograms, mean |g|, zero/NaN/Inf counts and update ratios of parameters over "
                          f"{self.sample} elements are estimated from a fixed random sample of {self.sample}")
@@ -357,11 +383,27 @@ class GradRecorder:
             notes.append(f"histograms kept for every {self._hist_every}th step (at most {_MAX_HISTS})")
         acts = np.stack([h["act"][lperm] for h in self._host]) if self.activations and self._host else None
         kind = "optimizer" if self._opt_seen else "backward"
-        trace = GradTrace(self.name, infos, layers, tuple(h["step"] for h in self._host), stats, exact, tuple(kept),
-                          hist, rng, step_kind=kind, order=order, sample=self.sample, activations=acts,
-                          notes=tuple(notes))
-        self._release()
-        return trace
+        return GradTrace(self.name, infos, layers, tuple(h["step"] for h in self._host), stats, exact, tuple(kept),
+                         hist, rng, step_kind=kind, order=order, sample=self.sample, activations=acts,
+                         notes=tuple(notes))
+
+    def _exact_last_job(self) -> Optional[tuple[LastJob, list[int], list[int]]]:
+        """The job making the last step exact when its gradients are still there (``exact_last``), with
+        the recorder's indices of its sampled parameters and of those taken whole. The whole ones are
+        exact in its sample already but for their dead units (and, rarely, see sampled_exact_job); the
+        sampled ones are measured over every element, but for their norm, sum, min and max, exact at the step."""
+        if not (self._pending and self.exact_last and self._last_still_there()):
+            return None
+        row = self._pending[-1]  # a row is flushed only when a newer one comes: the last one is pending
+        row["last"] = row["want_hist"] = True
+        layout: Layout = row["layout"]
+        big = [row["present"][j] for j in layout.big]
+        whole = [i for i in row["present"] if self._sampler.exact[i]]
+        known = torch.cat([row["norm"].index_select(0, layout.big_index)[:, None], row["big"]], 1) if big else \
+            row["norm"].new_zeros(0, 4)
+        job = sampled_exact_job([self._params[i].grad for i in big], known, [self._params[i].grad for i in whole],
+                                self.bins)
+        return job, big, whole
 
     def _host_stats(self, raw: np.ndarray) -> np.ndarray:
         present = [int(i) for i in np.flatnonzero(raw[:, -1] == 1)]
@@ -378,6 +420,7 @@ class GradRecorder:
     def _release(self) -> None:
         """Drop every reference to the user's tensors (the trace holds numbers only)."""
         self._params, self._live, self._act, self._last, self._before = [], [], {}, None, None
+        self._chunks.release()
         if getattr(self, "_sampler", None) is not None:
             self._sampler.release()
         self._sampler = None  # type: ignore[assignment]

@@ -1,7 +1,8 @@
 """Gradient statistics of many parameters computed together, for :mod:`torch_nbdebug.record.grads`.
 
-:func:`exact_rows` covers every element (a snapshot, and the last recorded step). It runs as a
-:func:`exact_job`: a generator that hands over the device tensors it needs on the host and gets
+:func:`exact_rows` covers every element (a snapshot), :func:`sampled_exact_job` the sampled gradients of
+the last recorded step (the rest of that step is exact in its sample). Each runs as a job
+(:func:`exact_job`): a generator that hands over the device tensors it needs on the host and gets
 them back copied, so a caller can join those copies with its own (the recorder copies its last
 steps and this in one transfer). Two host synchronisations in all for finite gradients (the
 per-parameter reductions, then the histograms that need their ranges), one more when some gradient
@@ -9,15 +10,18 @@ holds a NaN or an Inf. The per-step path is :mod:`torch_nbdebug.record.grads_ste
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional, ParamSpec, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from torch_nbdebug.data.grads import FIELD, FIELDS, ParamInfo
-from torch_nbdebug.record.grads_steps import RAW, float_norms
+from torch_nbdebug.record.grads_steps import COL, RAW, float_norms, reduce_rows
+
+_LARGE = 1 << 20  # elements from which a gradient's non-zeros are counted by count_nonzero
 
 # A job yields the device tensors it wants on the host and is sent their host copies back.
 ExactJob = Generator[list[torch.Tensor], list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -44,6 +48,29 @@ def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     return out  # type: ignore[return-value]
 
 
+def redo_dirty(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]], bins: int) -> None:
+    """Reduce again in full the captured rows a finite reduction (``reduce_rows(..., finite=True)``)
+    found a NaN or an Inf in, and put their numbers in ``arrays``, the host copies of those reductions,
+    one per group of rows: one more host copy, only when there is such a row."""
+    redo = [(g, [int(i) for i in np.flatnonzero(a.pop("dirty"))]) for g, a in zip(groups, arrays)]
+    todo = [(g, a, rows) for (g, rows), a in zip(redo, arrays) if rows]
+    if not todo:
+        return
+    # Their update ratios stand (they do not depend on the gradient; the weights' samples are spent).
+    without_step = [[{k: v for k, v in g[i].items() if k != "after"} for i in rows] for g, _, rows in todo]
+    with torch.no_grad():
+        fixed = [reduce_rows(rows, bins) for rows in without_step]
+    host = iter(to_host([t for out in fixed for t in out.values()]))
+    for (g, a, rows), out in zip(todo, fixed):
+        new = {key: next(host) for key in out}
+        new["raw"][:, :, COL["update_ratio"]] = a["raw"][rows, :, COL["update_ratio"]]
+        a["raw"][rows] = new["raw"]
+        if "hist" in new:  # histogram rows are numbered among the rows that want one
+            hist_rows = [i for i, r in enumerate(g) if r.get("want_hist")]
+            for j, i in enumerate(i for i in rows if g[i].get("want_hist")):
+                a["hist"][hist_rows.index(i)], a["range"][hist_rows.index(i)] = new["hist"][j], new["range"][j]
+
+
 def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Drive a job: each of its requests is one host copy. ``first``: the host copy of its first
     request, when the caller took that request (``next(job)``) and copied it with its own tensors."""
@@ -55,36 +82,127 @@ def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None) -> tuple[np
         return stop.value
 
 
+_P = ParamSpec("_P")
+_Y = TypeVar("_Y")
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+
+
+def _without_grad(make: Callable[_P, Generator[_Y, _S, _R]]) -> Callable[_P, Generator[_Y, _S, _R]]:
+    """A job made by ``make`` runs under ``no_grad`` one resumed part at a time, never across a
+    ``yield``: a job left suspended (its caller failed between two copies, and the traceback a
+    notebook keeps keeps the job alive) would otherwise leave gradients off in the user's next cells."""
+    @functools.wraps(make)
+    def job(*args: _P.args, **kwargs: _P.kwargs) -> Generator[_Y, _S, _R]:
+        inner = make(*args, **kwargs)
+        try:
+            sent: Any = None
+            while True:
+                try:
+                    with torch.no_grad():
+                        wanted = inner.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+                sent = yield wanted
+        finally:
+            inner.close()  # a job abandoned between copies drops the gradients it holds
+    return job
+
+
 def exact_rows(params: list[nn.Parameter], bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every statistic over every element (a snapshot): stats [P, F], hist [P, B], range [P, 2]."""
     return run_job(exact_job(params, bins))
 
 
-def exact_job(params: list[nn.Parameter], bins: int, param_norms: bool = True) -> ExactJob:
-    """:func:`exact_rows` as a job (see the module docstring). Without ``param_norms`` the parameter
-    norms stay NaN (a recorder keeps those of the moment of the step): one pass less over the weights."""
+@_without_grad
+def exact_job(params: list[nn.Parameter], bins: int) -> ExactJob:
+    """:func:`exact_rows` as a job (see the module docstring)."""
     n_p = len(params)
     stats = np.full((n_p, len(FIELDS)), np.nan)
     hist, rng = np.zeros((n_p, bins)), np.full((n_p, 2), np.nan)
     stats[:, FIELD["has_grad"]] = [usable(p.grad) for p in params]
     present = [i for i, p in enumerate(params) if usable(p.grad)]
-    with torch.no_grad():
-        norms = param_norms and bool(params)
-        wanted = [torch.stack(float_norms([p.detach() for p in params]))] if norms else []
-        grads = [params[i].grad.detach() for i in present]
-        if grads:
-            wanted += _first_columns(grads)
-        host = yield wanted
-        if norms:
-            stats[:, FIELD["param_norm"]] = host.pop(0)
-        if not present:
-            return stats, hist, rng
-        host[2] = _dead_units(grads, host[2])
-        cols, counts, lo_hi = yield from _exact_columns(grads, bins, *host)
-        for key, values in cols.items():
-            stats[present, FIELD[key]] = values
-        hist[present], rng[present] = counts, lo_hi
+    norms = bool(params)
+    wanted = [torch.stack(float_norms([p.detach() for p in params]))] if norms else []
+    grads = [params[i].grad.detach() for i in present]
+    if grads:
+        wanted += _first_columns(grads)
+    host = yield wanted
+    if norms:
+        stats[:, FIELD["param_norm"]] = host.pop(0)
+    if not present:
+        return stats, hist, rng
+    host[2] = _dead_units(grads, host[2])
+    cols, counts, lo_hi = yield from _exact_columns(grads, bins, *host)
+    for key, values in cols.items():
+        stats[present, FIELD[key]] = values
+    hist[present], rng[present] = counts, lo_hi
     return stats, hist, rng
+
+
+# The last step made exact: columns, histograms and ranges of the sampled gradients then of the whole ones
+# that needed it (their positions), and the dead units of the whole matrices.
+LastJob = Generator[list[torch.Tensor], list[np.ndarray],
+                    tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, list[int], np.ndarray]]
+WHOLE_COLUMNS = ("norm", "nonzero", "sum", "l1", "min", "max")  # what the caller sends of the whole ones
+
+
+@_without_grad
+def sampled_exact_job(grads: list[torch.Tensor], known: torch.Tensor, whole: list[torch.Tensor],
+                      bins: int) -> LastJob:
+    """:func:`exact_job` for the last recorded step, most of whose statistics its sample has exactly.
+
+    ``grads``: the gradients sampled at that step; ``known`` [len(grads), 4]: their norm, sum, min
+    and max, measured exactly at the step (not measured again: four passes over the largest tensors
+    saved). ``whole``: the gradients taken whole, exact in the sample but for their dead units; the
+    caller appends their :data:`WHOLE_COLUMNS` ``[len(whole), 6]``, from the sample, to the first copy
+    it sends back. Those with a NaN or an Inf (mean, std and range over their finite values) or nearly
+    constant (the float64 variance) are measured again as :func:`exact_job` would: rare, so they cost
+    nothing otherwise. Same copies as :func:`exact_job`: one, one for the histograms, one more with a
+    NaN or an Inf."""
+    matrices = [g for g in whole if g.dim() >= 2]
+    wanted = [known, _unit_columns(matrices)[1] if matrices else known.new_zeros(0)]
+    if grads:
+        units, live = _unit_columns(grads)
+        wanted += [_nonzeros(grads), live, torch.stack(float_norms(units, 1))]
+    host = yield wanted
+    own = host.pop()  # the whole gradients' columns, from the sample
+    dead_whole = np.array([g.shape[0] for g in matrices], dtype=np.float64) - host[1]
+    fixed = [j for j in range(len(whole)) if _inexact_moments(own[j], whole[j].numel())]
+    cols_of = [host[0][:, k] for k in range(4)]  # norm, sum, min, max
+    nonzero, dead, l1 = (host[2], _dead_units(grads, host[3]), host[4]) if grads else (np.zeros(0),) * 3
+    fix = own[fixed]
+    columns = [np.concatenate(pair) for pair in (
+        (cols_of[0], fix[:, 0]), (nonzero, fix[:, 1]), (dead, np.full(len(fixed), np.nan)), (cols_of[1], fix[:, 2]),
+        (l1, fix[:, 3]), (cols_of[2], fix[:, 4]), (cols_of[3], fix[:, 5]))]
+    redo = grads + [whole[j] for j in fixed]
+    if not redo:
+        return {}, np.zeros((0, bins)), np.zeros((0, 2)), fixed, dead_whole
+    cols, counts, rng = yield from _exact_columns(redo, bins, *columns)
+    return cols, counts, rng, fixed, dead_whole
+
+
+def _inexact_moments(columns: np.ndarray, numel: int) -> bool:
+    """Whether the sample's mean and std of a whole gradient differ from the exact path's: it holds a
+    NaN or an Inf (the exact path takes them over the finite values), or it is nearly constant (the
+    exact path takes the variance in float64: see :func:`_exact_columns`)."""
+    norm, total = columns[0], columns[2]
+    if not (np.isfinite(norm) and np.isfinite(total)):
+        return True
+    mean, var = _moments(np.array([norm]), np.array([total]), np.array([float(numel)]))
+    return numel > 1 and bool(var[0] <= 1e-4 * mean[0] ** 2)
+
+
+def _unit_columns(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """|g| summed per unit (dim 0) of each gradient with units (a vector: its own |g|), and the number
+    of live units of those with units. A unit is dead when its sum is 0 (NaN and Inf units are not)."""
+    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1,
+                                      dtype=None if g.dtype == torch.float64 else torch.float32) if g.dim() >= 2
+             else g for g in grads]
+    matrices = [u for u, g in zip(units, grads) if g.dim() >= 2]
+    # one batched "0-norm" counts the live units (see _dead_units)
+    live = torch.stack(float_norms(matrices, 0)) if matrices else grads[0].new_zeros(0, dtype=torch.float32)
+    return units, live
 
 
 def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -93,16 +211,12 @@ def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     minmax = [torch.aminmax(g) for g in grads]
     # |g| summed per unit (dim 0), in float32: a unit is dead when its sum is 0, and the sums add up
     # to the L1 norm. One vectorised pass, where a != 0 mask and any() took two and a temporary.
-    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1,
-                                      dtype=None if g.dtype == torch.float64 else torch.float32) if g.dim() >= 2
-             else g for g in grads]  # a vector's own |g| add up to its L1 norm
-    matrices = [u for u, g in zip(units, grads) if g.dim() >= 2]
+    units, live = _unit_columns(grads)  # a vector's own |g| add up to its L1 norm
     same = len({g.dtype for g in grads}) == 1  # one stack, one cast: not one cast per parameter
     ends = [torch.stack([m.min for m in minmax]).float(), torch.stack([m.max for m in minmax]).float()] if same else \
         [torch.stack([m.min.float() for m in minmax]), torch.stack([m.max.float() for m in minmax])]
     return [torch.stack(float_norms(grads)), _nonzeros(grads),
-            # units that are not dead, of the gradients with units: one batched "0-norm" (see _dead_units)
-            torch.stack(float_norms(matrices, 0)) if matrices else grads[0].new_zeros(0),
+            live,  # units that are not dead, of the gradients with units
             # float32 sums are pairwise (accurate enough for a mean) and much faster than float64 ones on CPU.
             torch.stack([g.sum(dtype=torch.float32) for g in grads]),
             torch.stack(float_norms(units, 1)), *ends]
@@ -117,13 +231,14 @@ def _dead_units(grads: list[torch.Tensor], live: np.ndarray) -> np.ndarray:
 
 
 def _nonzeros(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Non-zero elements (NaN and Inf included) of each gradient: one batched "0-norm" while a float32
-    holds the count exactly, ``count_nonzero`` for larger ones."""
-    if all(g.numel() < 1 << 24 for g in grads):
+    """Non-zero elements (NaN and Inf included) of each gradient: one batched "0-norm" for the small
+    ones, ``count_nonzero`` for the large ones (a compare runs faster than the norm's loop, measured
+    20% on a CPU, and a float32 count is exact only below 2**24)."""
+    if all(g.numel() < _LARGE for g in grads):
         return torch.stack(float_norms(grads, 0))
-    small = [g for g in grads if g.numel() < 1 << 24]
+    small = [g for g in grads if g.numel() < _LARGE]
     counts = iter(float_norms(small, 0) if small else ())
-    return torch.stack([torch.count_nonzero(g).double() if g.numel() >= 1 << 24 else next(counts).double()
+    return torch.stack([torch.count_nonzero(g).double() if g.numel() >= _LARGE else next(counts).double()
                         for g in grads])
 
 
@@ -209,6 +324,13 @@ def _widen(lo: float, hi: float) -> tuple[float, float]:
         return lo, hi
     d = max(abs(lo) * 1e-3, 1e-12)
     return lo - d, hi + d
+
+
+def whole_columns(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """The :data:`WHOLE_COLUMNS` of parameters taken whole, from their sampled ``raw`` rows (RAW order)."""
+    finite = numel * (1 - raw[:, COL["nan"]] - raw[:, COL["inf"]])
+    return np.stack([raw[:, COL["norm"]], numel - np.round(raw[:, COL["zeros"]] * numel), raw[:, COL["sum"]],
+                     raw[:, COL["mean_abs"]] * finite, raw[:, COL["min"]], raw[:, COL["max"]]], 1)
 
 
 def raw_to_stats(raw: np.ndarray, infos: tuple[ParamInfo, ...], present: list[int], n_params: int) -> np.ndarray:

@@ -16,8 +16,9 @@ is when, and how many Python calls and passes over memory it takes.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -53,7 +54,8 @@ class Bucket:
         self.positions, self.width, self.start = positions, width, start
         self.stop = start + len(positions) * width
         inside = torch.arange(width, device=k.device)[None, :] < k[:, None]  # [g, width]; k: the rows' lengths
-        self.fill = torch.where(inside, 0.0, -math.inf)  # added before a max: padding never wins
+        # added before a max: padding never wins (float32 whatever the default dtype, as the samples)
+        self.fill = torch.zeros(inside.shape, dtype=torch.float32, device=k.device).masked_fill_(~inside, -math.inf)
         self.offsets: dict[int, torch.Tensor] = {}  # first histogram bin of each (step, parameter) row
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,10 @@ class Layout:
             start, row = self.buckets[-1].stop, row + len(positions)
         self.size = start  # elements of one captured sample, padding included
         self.order_index = None if self.order == list(range(n)) else order_index
-        self.pad = torch.zeros(max(b.width for b in self.buckets), device=device)  # sliced, never written
+        pad = torch.zeros(max(b.width for b in self.buckets), dtype=torch.float32, device=device)  # sliced, not written
+        # What a gather appends, in order: each parameter then its row's padding (sliced once, here).
+        self.plan = [(j, present[j], pad[:b.width - self.lengths[j]] if self.lengths[j] < b.width else None)
+                     for b in self.buckets for j in b.positions]
 
     def release(self) -> None:
         """Drop the cached histogram offsets (the rest is a few constants per parameter)."""
@@ -118,10 +123,27 @@ class Layout:
 def sample_indices(numel: int, k: int) -> np.ndarray:
     """``k`` sorted random element indices of a tensor of ``numel`` elements, from a private numpy
     generator seeded by the size: the same elements every time, the user's RNG state untouched."""
-    # Drawn anew per recording, never cached at module level: a tool's tensor left alive after it ends
-    # would show in the user's memory views (and hold device memory). Drawn and sorted by numpy: a CPU
-    # torch sort of a few thousand indices takes ten times longer.
+    # Kept on the host only (a few, small: see _cached_indices), never as tensors at module level: a
+    # tool's tensor left alive after it ends would show in the user's memory views (and hold device
+    # memory). Drawn and sorted by numpy: a CPU torch sort of a few thousand indices takes ten times longer.
+    if k <= _CACHED_K:
+        return _cached_indices(numel, k)
+    return _draw_indices(numel, k)
+
+
+_CACHED_K = 1 << 16  # samples up to 512 KB of indices are remembered between recordings, 64 of them at most
+
+
+def _draw_indices(numel: int, k: int) -> np.ndarray:
     return np.sort(np.random.default_rng(0x5EED + numel).integers(0, numel, k, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_indices(numel: int, k: int) -> np.ndarray:
+    """Drawing costs tens of microseconds per parameter at every recording's start: drawn once per size."""
+    drawn = _draw_indices(numel, k)
+    drawn.flags.writeable = False  # shared by every recording of that size
+    return drawn
 
 
 class Sampler:
@@ -158,32 +180,138 @@ class Sampler:
         for layout in self._layouts.values():
             layout.release()
 
-    def gather(self, tensors: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    def gather(self, tensors: list[torch.Tensor], layout: Layout, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The samples of ``tensors`` (one per ``layout.present``) as one flat float32 tensor in the
-        layout's blocks, each row zero padded: one ``cat`` whatever the number of parameters."""
-        index, pad = self.index, layout.pad
+        layout's blocks, each row zero padded: one ``cat`` whatever the number of parameters, written
+        into ``out`` when given (a row of a :class:`Chunk`). Called under ``no_grad`` (no ``detach``
+        per tensor: each one costs a tensor object per step)."""
+        index = self.index
         parts: list[torch.Tensor] = []
-        for bucket in layout.buckets:
-            for j in bucket.positions:
-                flat = tensors[j].detach().reshape(-1)
-                i = layout.present[j]
-                parts.append(flat if index[i] is None else flat.index_select(0, index[i]))
-                if layout.lengths[j] < bucket.width:
-                    parts.append(pad[:bucket.width - layout.lengths[j]])
+        for j, i, pad in layout.plan:
+            flat = tensors[j].reshape(-1)
+            parts.append(flat if index[i] is None else flat.index_select(0, index[i]))
+            if pad is not None:
+                parts.append(pad)
         if not layout.same_device:
             parts = [p.to(layout.device) for p in parts]
+        if out is not None:
+            return torch.cat(parts, out=out)  # cast to float32 on the way, as .float() would
         x = torch.cat(parts)
         return x if x.dtype == torch.float32 else x.float()
 
 
-def sampled_rows(params: list[torch.nn.Parameter], present: tuple[int, ...], sampler: Sampler
-                 ) -> dict[str, Any]:
-    """Capture one step on the device, no host synchronisation: see the module docstring."""
-    grads = [params[i].grad.detach() for i in present]
+class Chunk:
+    """Rows allocated ahead for the samples of steps sharing one layout: a step's gradient sample is
+    written into a row of ``x``, the weights' before and after the step into ``w``. A flush then
+    reduces a slice of these buffers rather than a stack of per-step copies, and a long recording
+    writes into the same memory again (a flushed chunk is reused) rather than allocating three
+    samples per step, whose fresh pages a CPU faults in one by one. float32 whatever the default
+    dtype: ``cat(out=)`` casts the samples to the buffer's dtype."""
+
+    def __init__(self, layout: Layout, capacity: int) -> None:
+        self.layout, self.capacity, self.used = layout, capacity, 0
+        self.x = torch.empty(capacity, layout.size, dtype=torch.float32, device=layout.device)
+        self.w: Optional[torch.Tensor] = None  # [2, capacity, size]: allocated at the first optimizer step
+        self.elements = 3 * capacity * layout.size  # x and w, w counted before it is allocated
+
+    def take(self) -> int:
+        """The next free row (the caller checks ``used < capacity``)."""
+        self.used += 1
+        return self.used - 1
+
+    def weights(self) -> torch.Tensor:
+        if self.w is None:
+            self.w = torch.empty(2, self.capacity, self.layout.size, dtype=torch.float32, device=self.layout.device)
+        return self.w
+
+
+class Chunks:
+    """Where the steps' samples are written, and the memory that takes.
+
+    A row goes to the current chunk while it has room and the parameter set stays, else to a chunk of
+    that set with room (a set seen again in the window fills its own chunk), else to a new chunk. The
+    first chunk has ``rows(layout)`` rows; a new one has one row when the set changed (mixture-of-experts
+    routing or LayerDrop change it at every step: a window's worth of rows per set would stay nearly
+    empty), and twice the rows of the one just filled while the set stays (``rows(layout)`` at most): a
+    steady set soon writes into one chunk, a changing one into chunks about as long as the runs of
+    steps it stays the same. A new chunk first takes the memory of the chunks holding no row (free since
+    the last flush); :meth:`over` tells the recorder when it must flush first to keep the chunks, with
+    their weights' rows, within its bound."""
+
+    def __init__(self, rows: Callable[[Layout], int]) -> None:
+        self.rows = rows
+        self.chunks: list[Chunk] = []  # every chunk held, with rows or free
+        self.current: Optional[Chunk] = None
+        self.previous: Optional[Layout] = None  # the layout of the last row written
+
+    def over(self, layout: Layout, limit: int) -> bool:
+        """Whether a row of ``layout`` needs a new chunk that, with the chunks holding rows, exceeds
+        ``limit`` elements (then flush first: every chunk is free again)."""
+        if self._room(layout) is not None:
+            return False
+        busy = sum(c.elements for c in self.chunks if c.used)
+        return busy + 3 * self._new_rows(layout) * layout.size > limit
+
+    def row_for(self, layout: Layout) -> tuple[Chunk, int]:
+        chunk = self._room(layout)
+        if chunk is None:
+            self.chunks = [c for c in self.chunks if c.used]  # the free ones (of other sets) go first
+            chunk = Chunk(layout, self._new_rows(layout))
+            self.chunks.append(chunk)
+        self.current, self.previous = chunk, layout
+        return chunk, chunk.take()
+
+    def _room(self, layout: Layout) -> Optional[Chunk]:
+        """The chunk a row of ``layout`` is written into without allocating, if any."""
+        chunk = self.current
+        if chunk is not None and chunk.layout is layout and chunk.used < chunk.capacity:
+            return chunk
+        fits = [c for c in self.chunks if c.layout is layout and c.used < c.capacity]
+        return max(fits, key=lambda c: c.capacity - c.used) if fits else None
+
+    def _new_rows(self, layout: Layout) -> int:
+        full, last = self.rows(layout), self.current  # the chunk of the previous row, if not flushed since
+        if self.previous is None:
+            return full
+        if layout is not self.previous:
+            return 1
+        return full if last is None else min(full, 2 * last.capacity)
+
+    def recycle(self) -> None:
+        """Every row has been flushed (reduced and copied to the host): later steps write over them.
+        A chunk the window left mostly empty (the first chunk of a set that then changed) is dropped:
+        the next window would leave it as empty."""
+        self.chunks = [c for c in self.chunks if 2 * c.used >= c.capacity]
+        for chunk in self.chunks:
+            chunk.used = 0
+        self.current = None
+
+    def release(self) -> None:
+        self.chunks, self.current, self.previous = [], None, None
+
+
+def stacked(rows: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """The rows' ``key`` samples (``x``, ``before``, ``after``) as one ``[S, size]`` tensor: a slice of
+    their chunk when they are its consecutive rows (no copy), else a stack."""
+    chunk, slot = rows[0].get("chunk"), rows[0].get("slot", 0)
+    if chunk is not None and all(r.get("chunk") is chunk and r.get("slot") == slot + k for k, r in enumerate(rows)):
+        buffer = chunk.x if key == "x" else chunk.weights()[int(key == "after")]
+        return buffer[slot:slot + len(rows)]
+    return torch.stack([r[key] for r in rows])
+
+
+def sampled_rows(params: list[torch.nn.Parameter], present: tuple[int, ...], sampler: Sampler,
+                 rows: Callable[[Layout], tuple[Chunk, int]]) -> dict[str, Any]:
+    """Capture one step on the device, no host synchronisation: see the module docstring. ``rows``
+    gives the chunk and row its sample is written into. Called under ``no_grad``, as
+    :meth:`Sampler.gather`."""
+    grads = [params[i].grad for i in present]
     layout = sampler.layout(present, grads[0].device)
+    chunk, slot = rows(layout)
     # Gradient and parameter norms in one batched call (one kernel launch on a GPU).
-    norms = torch.stack(float_norms(grads + [params[i].detach() for i in present])).to(layout.device)
-    captured: dict[str, Any] = {"layout": layout, "x": sampler.gather(grads, layout),
+    norms = torch.stack(float_norms(grads + [params[i] for i in present])).to(layout.device)
+    captured: dict[str, Any] = {"layout": layout, "chunk": chunk, "slot": slot,
+                                "x": sampler.gather(grads, layout, chunk.x[slot]),
                                 "norm": norms[:layout.n], "param_norm": norms[layout.n:]}
     if layout.big:  # exact even though their other statistics come from the sample
         big = [grads[j] for j in layout.big]
@@ -195,12 +323,16 @@ def sampled_rows(params: list[torch.nn.Parameter], present: tuple[int, ...], sam
     return captured
 
 
-def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int]) -> dict[str, torch.Tensor]:
+def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = False) -> dict[str, torch.Tensor]:
     """Statistics of captured steps sharing one layout: ``raw`` [S, n, len(RAW)] and, for the rows
-    with ``want_hist``, ``hist`` [H, n, bins] (estimates of whole-tensor counts) and ``range`` [H, n, 2]."""
+    with ``want_hist``, ``hist`` [H, n, bins] (estimates of whole-tensor counts) and ``range`` [H, n, 2].
+
+    ``finite``: take every sample as finite (a third of the passes, see :func:`_finite_sums`) and
+    add ``dirty`` [S] (1 for a row that holds a NaN or an Inf after all): the caller reduces those
+    rows again without ``finite``, their numbers here being wrong."""
     layout: Layout = rows[0]["layout"]
-    x = torch.stack([r["x"] for r in rows])  # [S, size]: the blocks of every step
-    blocks = [_block_sums(b.block(x), b.fill) for b in layout.buckets]
+    x = stacked(rows, "x")  # [S, size]: the blocks of every step
+    blocks = [(_finite_sums if finite else _block_sums)(b.block(x), b.fill) for b in layout.buckets]
     cols = torch.cat(blocks, 1).index_select(1, layout.unorder).double()  # [S, n, 8] in present order
     abs_sum, nonzero, n_pos, n_neg, n_nan, total, lo, hi = (*cols.unbind(2)[:6], -cols[:, :, 6], cols[:, :, 7])
     zeros = layout.k - nonzero - n_pos - n_neg - n_nan
@@ -215,6 +347,8 @@ def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int]) -> dict[str, to
         big = torch.stack([r["big"] for r in rows]).double()  # [S, B, 3]
         raw[:, layout.big_index, COL["sum"]:COL["max"] + 1] = big
     out = {"raw": raw.float()}
+    if finite:  # |x| summed: non-finite exactly when some element is (or the sum overflows: redone too)
+        out["dirty"] = (~torch.isfinite(abs_sum)).any(1).float()
     wanted = [i for i, r in enumerate(rows) if r.get("want_hist")]
     if bins and wanted:
         out["hist"], out["range"] = _histograms(x, wanted, layout, lo, hi, n_finite, bins)
@@ -225,16 +359,35 @@ def _block_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
     """Per row of a block ``[S, g, width]`` (zero padded): sum of finite |x|, finite non-zeros, +Inf,
     -Inf, NaN, sum of x, -min and max of the finite elements, as ``[S, g, 8]``. Arithmetic and
     float32 sums, not comparisons and float64 casts: on a CPU these vectorise and those do not;
-    float32 counts are exact below 2**24 elements, float32 sums are pairwise."""
+    float32 counts are exact below 2**24 elements, float32 sums are pairwise. Three temporaries of
+    the block's size, each pass writing into one of them: a fresh allocation per pass costs a CPU
+    more than the pass (its pages are faulted in anew)."""
     wide = torch.float64 if x.shape[-1] >= 1 << 24 else torch.float32
     finite = x.nan_to_num(0.0, 0.0, 0.0)  # NaN and ±Inf -> 0; the padding is 0 and counts nowhere
-    odd = x - finite  # 0 where finite, else the NaN or the infinity itself
-    sums = [t.sum(-1, dtype=wide).float() for t in (
-        finite.abs(), finite.sign().abs_(), odd.nan_to_num(0.0, 1.0, 0.0), odd.nan_to_num(0.0, 0.0, 1.0),
-        odd.nan_to_num(1.0, 0.0, 0.0), x)]
-    # The finite range: the largest of x and of -x, non-finite values and the padding at -inf.
-    ends = [(t.nan_to_num(-math.inf, -math.inf, -math.inf) + fill).amax(-1) for t in (-x, x)]
+    odd = torch.sub(x, finite)  # 0 where finite, else the NaN or the infinity itself
+    tmp = torch.empty_like(x)
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(-1, dtype=wide).float()
+
+    sums = [total(torch.abs(finite, out=tmp)), total(torch.sign(finite, out=tmp).abs_()),
+            total(torch.nan_to_num(odd, 0.0, 1.0, 0.0, out=tmp)), total(torch.nan_to_num(odd, 0.0, 0.0, 1.0, out=tmp)),
+            total(torch.nan_to_num(odd, 1.0, 0.0, 0.0, out=tmp)), total(x)]
+    # The finite range: the largest of -x and of x, non-finite values and the padding at -inf.
+    ends = [torch.nan_to_num(t, -math.inf, -math.inf, -math.inf, out=out).add_(fill).amax(-1)
+            for t, out in ((torch.neg(x, out=tmp), tmp), (x, odd))]  # odd's last use was above
     return torch.stack(sums + ends, 2)
+
+
+def _finite_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """:func:`_block_sums` of a block known to be finite (no NaN or Inf counts to take, no value to
+    set aside before the range): seven passes over it instead of about twenty."""
+    wide = torch.float64 if x.shape[-1] >= 1 << 24 else torch.float32
+    tmp = torch.empty_like(x)
+    sums = [torch.abs(x, out=tmp).sum(-1, dtype=wide).float(), tmp.sign_().sum(-1, dtype=wide).float()]
+    zero = torch.zeros_like(sums[0])
+    ends = [torch.sub(fill, x, out=tmp).amax(-1), torch.add(x, fill, out=tmp).amax(-1)]  # -min, max
+    return torch.stack(sums + [zero, zero, zero, x.sum(-1, dtype=wide).float()] + ends, 2)
 
 
 def _update_ratios(rows: list[dict[str, Any]], layout: Layout) -> torch.Tensor:
@@ -244,11 +397,12 @@ def _update_ratios(rows: list[dict[str, Any]], layout: Layout) -> torch.Tensor:
     none = torch.full((n,), math.nan, dtype=torch.float64, device=layout.device)
     if not stepped:
         return none.expand(s, n)
-    before = torch.stack([r["before"] for r in stepped])  # [T, size]; padding 0 in both
-    after = torch.stack([r["after"] for r in stepped])
-    squares = torch.stack([(after - before).square_(), before.square()])  # [2, T, size]
-    sums = torch.cat([b.block(squares.view(-1, layout.size)).sum(-1) for b in layout.buckets], 1)  # float32: pairwise
-    moved, size = sums.index_select(1, layout.unorder).double().sqrt_().view(2, len(stepped), n).unbind(0)
+    # [T, size]; padding 0 in both; written in place: the chunk's rows (or stacked copies) are used once
+    before, moved = stacked(stepped, "before"), stacked(stepped, "after")
+    moved.sub_(before).square_()
+    before.square_()
+    sums = [torch.cat([b.block(t).sum(-1) for b in layout.buckets], 1) for t in (moved, before)]  # float32: pairwise
+    moved, size = torch.stack(sums).index_select(2, layout.unorder).double().sqrt_().unbind(0)
     ratios = iter((moved / size).unbind(0))
     # Rows picked in Python, not by a list index: that index would be copied to the device first.
     return torch.stack([next(ratios) if "after" in r else none for r in rows])
@@ -282,19 +436,10 @@ def _block_counts(x: torch.Tensor, bucket: Bucket, lo: torch.Tensor, width: torc
     equal to the top (folded into the last bin, as ``histc`` does), ``bins + 1`` the non-finite
     values and the padding (at -inf); no clamp, no mask."""
     h, g = x.shape[0], x.shape[1]
-    spread = ((x + bucket.fill - lo[..., None]) / width[..., None] * bins).nan_to_num_(bins + 1, bins + 1, bins + 1)
-    index = (spread.floor_().long() + bucket.bin_offsets(h, bins + 2)).view(-1)
-    ones = torch.ones((), device=x.device).expand(index.shape)
-    counts = torch.zeros(h * g * (bins + 2), device=x.device).index_add_(0, index, ones).view(h, g, bins + 2)
+    spread = torch.add(x, bucket.fill).sub_(lo[..., None]).div_(width[..., None]).mul_(bins)  # in place: see _block_sums
+    index = spread.nan_to_num_(bins + 1, bins + 1, bins + 1).floor_().long().add_(bucket.bin_offsets(h, bins + 2)).view(-1)
+    # float32 counts whatever the default dtype (a float16 count stops at 2048), exact below 2**24
+    ones = torch.ones((), dtype=torch.float32, device=x.device).expand(index.shape)
+    counts = torch.zeros(h * g * (bins + 2), dtype=torch.float32, device=x.device).index_add_(0, index, ones)
+    counts = counts.view(h, g, bins + 2)
     return torch.cat([counts[:, :, :bins - 1], counts[:, :, bins - 1:bins + 1].sum(2, keepdim=True)], 2)
-
-
-def norms_only(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """``raw`` with only the norms and update ratios: for a step whose other statistics the exact
-    recomputation at exit replaces (its samples need no reduction)."""
-    layout: Layout = rows[0]["layout"]
-    raw = torch.full((len(rows), layout.n, len(RAW)), math.nan, dtype=torch.float64, device=layout.device)
-    raw[:, :, COL["norm"]] = torch.stack([r["norm"] for r in rows])
-    raw[:, :, COL["param_norm"]] = torch.stack([r["param_norm"] for r in rows])
-    raw[:, :, COL["update_ratio"]] = _update_ratios(rows, layout)
-    return {"raw": raw.float()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -24,6 +25,7 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.nanwatch_amp import AmpChecks
+from torch_nbdebug.record.nanwatch_backward import BackwardGate, BackwardWatch
 from torch_nbdebug.record.nanwatch_context import Clock, Mode, WatchOptions
 from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
 from torch_nbdebug.record.nanwatch_events import Place, here
@@ -84,9 +86,16 @@ class NanRecorder:
         # line, so a backward birth names the module (and the call's line) of its forward op.
         self._moves: list[tuple[int, Optional[str]]] = []
         self._model_place: Optional[Place] = None
+        # replay: the backward runs without the per-op mode (nanwatch_backward); the gate catches its start
+        self.backward_watch: Optional[BackwardWatch] = None
+        self._gate: Optional[BackwardGate] = None
+        self._suspended_gate: Optional[BackwardGate] = None
         if self.options.replay:
-            self.modules.use_replay(Replayer(self, self._replay_watch, self.modules.module_fallback,
-                                             self.own_hook_ids))
+            replayer = Replayer(self, self._replay_watch, self.modules.module_fallback, self.own_hook_ids)
+            self.modules.use_replay(replayer)
+            if self.options.backward:
+                self.backward_watch = BackwardWatch(self, replayer.note)
+                self.modules.bad_gradient = self.backward_watch.gradient_bad
 
     # -- what the report reads (besides ``log``, ``layers``, ``options``, ``errors``) ---------------
     @property
@@ -117,10 +126,13 @@ class NanRecorder:
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
         replay = self.options.replay
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
-        self._handles.append(register_module_forward_hook(torch.compiler.disable(exit_hook), with_kwargs=replay,
+        self._handles.append(register_module_forward_hook(not_traced(exit_hook), with_kwargs=replay,
                                                           always_call=replay))
         self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
-                                       outer=self._outer if replay else None, moved=self.module_moved)
+                                       outer=self._outer if replay else None,
+                                       # (the module of a backward birth in a model: the backward layer replays it)
+                                       moved=self.module_moved if self.backward_watch is None else None,
+                                       ended=self._model_ended if self.backward_watch is not None else None)
         self._tracker.__enter__()
         if self.options.optimizer:
             self.optim = OptimizerWatch(self, self.lr, self.suspend, self.resume, self.deferred)
@@ -129,6 +141,9 @@ class NanRecorder:
         if self.options.mode == "op":
             self._mode = OpWatchMode(self._on_op, self.internal_error)
             self._mode.__enter__()
+            if self.backward_watch is not None:
+                self._gate = BackwardGate(self.backward_watch.run)
+                self._gate.__enter__()
         if replay:  # before a step changes the weights: name the backward births of the forward just run
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
 
@@ -149,9 +164,18 @@ class NanRecorder:
         try:
             self._model_off = False
             self.resume()  # an optimizer step (or, with replay, a model's forward) that raised left it suspended
-            if self._mode is not None:
-                mode, self._mode = self._mode, None
-                mode.__exit__(None, None, None)
+            try:
+                if self._gate is not None:
+                    gate, self._gate = self._gate, None
+                    if compat.function_stack_len() and \
+                            compat.function_mode_at(compat.function_stack_len() - 1) is gate:
+                        gate.__exit__(None, None, None)
+                    else:  # the user's own function mode above it (left on by their code): take ours out only
+                        _take_function_mode(gate)
+            finally:
+                if self._mode is not None:
+                    mode, self._mode = self._mode, None
+                    mode.__exit__(None, None, None)
         finally:
             # Every global hook goes, even if removing the mode or another hook failed.
             handles, self._handles, self._grad_handles = self._handles + self._grad_handles, [], []
@@ -177,6 +201,8 @@ class NanRecorder:
             self._moves.clear()
             self._model_place = None
             self.modules.forget()
+            if self.backward_watch is not None:
+                self.backward_watch.forget(everything=True)
             self.log.clear_keys()
 
     def suspend(self) -> None:
@@ -186,27 +212,76 @@ class NanRecorder:
         if mode is not None and self._suspended_mode is None and _stack_len() and _stack_at(_stack_len() - 1) is mode:
             compat.pop_dispatch_mode()
             self._suspended_mode = mode
+            gate = self._gate  # the backward gate goes with it (a compiled model sees no mode at all)
+            if gate is not None and compat.function_stack_len() and \
+                    compat.function_mode_at(compat.function_stack_len() - 1) is gate:
+                compat.pop_function_mode()
+                self._suspended_gate = gate
 
     def resume(self) -> None:
         mode, self._suspended_mode = self._suspended_mode, None
+        gate, self._suspended_gate = self._suspended_gate, None
         if mode is not None:
             compat.push_dispatch_mode(mode)
+        if gate is not None:
+            compat.push_function_mode(gate)
 
     def _outer(self, entering: bool) -> None:
         """Replay: the per-op mode is off while a model's forward runs (its module layer watches it)."""
         if entering:
+            if _current_node() is not None:
+                return  # a forward run by backward (checkpointing): part of the running backward
             if self.modules.model_calls.calls and self._mode is not None:
                 self.name_backward_births()  # a new forward: the last one's backward is done
             self._model_place = here(None, None)
             mode = self._mode
             if (mode is None or self._suspended_mode is not None or self._optimizer_busy()
-                    or _current_node() is not None or not _stack_len() or _stack_at(_stack_len() - 1) is not mode):
+                    or not _stack_len() or _stack_at(_stack_len() - 1) is not mode):
                 return
-            compat.pop_dispatch_mode()
-            self._suspended_mode, self._model_off = mode, True
+            self.suspend()
+            self._model_off = True
         elif self._model_off:
             self._model_off = False
             self.resume()
+
+    def _model_ended(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
+        """Replay: the outermost call returned; if its forward ran without the per-op mode, its backward
+        is checked by the backward layer (the gradients into its outputs are kept until then)."""
+        if self._model_off and self.backward_watch is not None and torch.is_grad_enabled():
+            try:
+                self.backward_watch.model_called(module, output, path)
+            except Exception as exc:  # noqa: BLE001 - see OpWatchMode
+                self.internal_error(f"the output of {type(module).__name__}", exc)
+
+    # -- what the backward layer uses (nanwatch_backward) ---------------------------------------
+    def mode_on_top(self) -> bool:
+        mode = self._mode
+        return mode is not None and bool(_stack_len()) and _stack_at(_stack_len() - 1) is mode
+
+    def mode_on_stack(self) -> bool:
+        mode = self._mode
+        return mode is not None and any(_stack_at(i) is mode for i in range(_stack_len()))
+
+    def pop_mode(self) -> None:
+        compat.pop_dispatch_mode()
+
+    def push_mode(self) -> None:
+        compat.push_dispatch_mode(self._mode)
+
+    def watched(self, iteration: int) -> Any:
+        return self._replay_watch(iteration)
+
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[tuple[EventLog, dict[int, Place]]]:
+        """A replay's own event log and forward places (its births are brought over by the caller)."""
+        saved = (self.log, self._places, self._moves, self._model_place)
+        log, places = EventLog(self.options.max_events, False), {}
+        log.dropped = int(self.log.has_events())  # the rules read "was a birth reported before"
+        self.log, self._places, self._moves = log, places, []
+        try:
+            yield log, places
+        finally:
+            self.log, self._places, self._moves, self._model_place = saved
 
     def own_hook_ids(self) -> set[int]:
         """The ids of this watch's own global hooks (a replay runs them; they know to keep out of it)."""
@@ -216,6 +291,8 @@ class NanRecorder:
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() == self.modules.thread_id and self._mode is not None:
             self.name_backward_births()
+            if self.backward_watch is not None:
+                self.backward_watch.forget()  # the weights change: no call before this step replays
 
     def name_backward_births(self) -> None:
         """Replay: a backward birth of an op run inside a model's forward (no per-op watch there) knows
@@ -300,8 +377,9 @@ class NanRecorder:
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """Our check failed (an exotic tensor or op): note it, never disturb the user's code."""
-        if len(self.errors) < 3:
-            self.errors.append(f"could not check {where}: {type(exc).__name__}: {exc}")
+        text = f"could not check {where}: {type(exc).__name__}: {exc}"
+        if len(self.errors) < 3 and text not in self.errors:  # (the same failure on every node: once)
+            self.errors.append(text)
 
     def module_path(self) -> Optional[str]:
         return self._tracker.current if self._tracker is not None else None
@@ -435,27 +513,72 @@ class _ThreadTracker(ModuleTracker):
 
     def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]],
                  outer: Optional[Callable[[bool], None]] = None, moved: Optional[Callable[[], None]] = None,
-                 **kw: Any) -> None:
+                 ended: Optional[Callable[[torch.nn.Module, Any, Optional[str]], None]] = None, **kw: Any) -> None:
         super().__init__(namespace, **kw)
         self._checks = checks
+        self._ended = ended  # replay: the outermost call returned (module, output, its path)
         self._outer = outer  # replay: told when the outermost module call starts (True) and ends (False)
         self._moved: Callable[[], None] = moved or (lambda: None)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self._checks.mine():
-            if self._outer is not None:
-                if not self.stack and not self._checks.replaying:
-                    self._outer(True)
-                self._checks.started(args)
-            super()._pre(module, args)
-            if self._outer is not None and not self._checks.replaying:
-                self._moved()
+        # Runs at every module call: ModuleTracker._pre and ModuleChecks.mine inlined.
+        checks = self._checks
+        if threading.get_ident() != checks.thread_id:
+            checks.other_thread = True
+            return
+        stack, outer = self.stack, self._outer
+        if outer is not None and not checks.replaying:
+            if not stack:
+                outer(True)
+            checks.started(args)
+        path = self.namer.name(module, stack[-1] if stack else None)
+        stack.append(path)
+        if self._on_enter is not None:
+            self._on_enter(path, module)
+        if outer is not None and not checks.replaying:
+            self._moved()
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() == self._checks.thread_id:
+            path = self.stack[-1] if self.stack else None
             super()._post(module, args, output)
             if self._outer is not None and not self._checks.replaying:
                 self._moved()
                 if not self.stack:
+                    if self._ended is not None:
+                        self._ended(module, output, path)
                     self._outer(False)
                     self._checks.forward_over()
+
+
+_untraced_call: Optional[Callable[..., Any]] = None
+
+
+def _call(hook: Callable[..., Any], *args: Any) -> Any:
+    return hook(*args)
+
+
+def not_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as ``torch.compiler.disable(hook)`` runs it (Dynamo never traces into it), without that
+    call's cost at every watch's start (about a tenth of an empty watch's start and stop): one disabled
+    trampoline, made on first use, calls the watch's own hook. The hook's module is kept, as
+    ``disable``'s wrapper keeps it: another watch's replay knows this package's hooks by it
+    (``compat.global_module_hook_ids``)."""
+    global _untraced_call
+    if _untraced_call is None:
+        _untraced_call = torch.compiler.disable(_call)
+    wrapped = functools.partial(_untraced_call, hook)
+    wrapped.__module__ = getattr(getattr(hook, "__func__", hook), "__module__", None)  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _take_function_mode(mode: Any) -> None:
+    """Take ``mode`` out of the function-mode stack from under modes pushed after it (kept, in order)."""
+    above = []
+    while compat.function_stack_len():
+        top = compat.pop_function_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for top in reversed(above):
+        compat.push_function_mode(top)

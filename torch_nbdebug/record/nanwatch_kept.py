@@ -11,7 +11,8 @@ output that does not require grad (``no_grad``, inference) is kept by weak refer
 computed as it is kept, and every kept entry is dropped when the outermost call raises.
 Modules that declare ``inplace=True`` trigger the check before they run, so the common case
 (``nn.ReLU(inplace=True)`` after a layer) still sees the layer's own output. Gradients into module
-outputs are not kept: they are read as they come (the backward runs under the per-op watch).
+outputs are not kept: they are read as they come (the backward layer, nanwatch_backward, keeps only the
+gradients into the outermost call's outputs, until that backward ends).
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from typing import Any, Optional
 import torch
 
 from torch_nbdebug.record.nanwatch_events import Place
-from torch_nbdebug.record.nanwatch_ops import HALF, read_together, version_of
+from torch_nbdebug.record.nanwatch_layers import stat_parts
+from torch_nbdebug.record.nanwatch_ops import read_together, version_of
 
 _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with very many module calls)
 
 
-@dataclass
+@dataclass(slots=True)
 class Kept:
     """One kept module output. An output that does not require grad (``no_grad``, inference) is kept by
     weak reference with its statistics computed at once (no host sync): autograd does not keep it, and
@@ -43,9 +45,10 @@ class Kept:
     call: Any = None  # the call's arguments and RNG state (nanwatch_replay.Call)
     version: int = -1  # the output's ``_version`` when the module returned
     ref: Any = None  # a weak output: weakref.ref of it (``tensor`` is None)
-    parts: Optional[list[torch.Tensor]] = None  # a weak output's statistics, computed as it was kept
+    parts: Optional[tuple[torch.Tensor, ...]] = None  # a weak output's statistics, computed as it was kept
     input_refs: Optional[tuple[Any, ...]] = None  # a weak output's float inputs, by weakref
-    meta: tuple[tuple[int, ...], str, str, int] = ((), "", "", 0)  # shape, dtype, device, numel
+    # shape, dtype, device, numel of the output, as torch objects (named as text only for an event)
+    meta: tuple[tuple[int, ...], Any, Any, int] = ((), None, None, 0)
     table: bool = True  # the module's output for the layer table (False: another output, births only)
 
     def value(self) -> Optional[torch.Tensor]:
@@ -66,6 +69,14 @@ class Kept:
         return t is not None and version_of(t) != self.version
 
 
+def _written_since(entry: Kept) -> bool:
+    """:meth:`Kept.written_since` for a strongly kept output without the method calls (once per entry)."""
+    t = entry.tensor
+    if t is None or entry.ref is not None:
+        return entry.written_since()
+    return version_of(t) != entry.version
+
+
 class KeptReadings:
     """The entries of the running forward, in the order the modules exited (innermost first)."""
 
@@ -77,10 +88,9 @@ class KeptReadings:
 
     def output(self, t: torch.Tensor, path: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                place: Optional[Place], iteration: int, weak: bool = False, table: bool = True) -> Kept:
-        meta = (tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device), t.numel())
+        meta = (t.shape, t.dtype, t.device, t.numel())
         if weak:
-            with torch.no_grad():
-                parts = _stat_parts(t)
+            parts = stat_parts(t)
             entry = Kept(None, [path], iteration, module, (), place, version=version_of(t), ref=weakref.ref(t),
                          parts=parts, input_refs=tuple(weakref.ref(x) for x in inputs), meta=meta, table=table)
         else:
@@ -93,32 +103,21 @@ class KeptReadings:
 
     def take(self) -> list[Kept]:
         """Every entry with its ``values`` filled, read in one transfer per device; the list is emptied."""
-        entries, self.entries = [e for e in self.entries if not e.written_since()], []
+        entries, self.entries = [e for e in self.entries if not _written_since(e)], []
         if not entries:
             return entries
         parts: list[torch.Tensor] = []
-        with torch.no_grad():
-            for entry in entries:
-                parts += entry.parts if entry.parts is not None else _stat_parts(entry.tensor)  # type: ignore[arg-type]
+        for entry in entries:
+            parts += entry.parts if entry.parts is not None else stat_parts(entry.tensor)  # type: ignore[arg-type]
         first = parts[0]
         if all(p.dtype == first.dtype and p.device == first.device for p in parts):
             flat = torch.stack(parts).tolist()  # one copy
         else:  # mixed dtypes or devices: cat promotes, one transfer per device
             flat = [v for values in read_together(parts) for v in values]
         for i, entry in enumerate(entries):
-            lo, hi, total = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
-            entry.values = [lo, hi, total / entry.meta[3]]
+            entry.values = [flat[3 * i], flat[3 * i + 1], flat[3 * i + 2] / entry.meta[3]]
         return entries
 
     def clear(self) -> None:
         self.entries = []
 
-
-def _stat_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """min, max and sum as 0-d tensors (full reductions: ``aminmax(dim=0)`` is 4x slower on CPU)."""
-    x = t.detach()
-    lo, hi = torch.aminmax(x)
-    total = x.sum(dtype=torch.float32) if x.dtype in HALF else x.sum()
-    if total.dtype != lo.dtype:
-        lo, hi = lo.to(total.dtype), hi.to(total.dtype)
-    return [lo, hi, total]

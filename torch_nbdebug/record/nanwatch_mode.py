@@ -5,13 +5,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch_nbdebug.record.compat import TorchDispatchMode
+from torch_nbdebug.record.compat import EagerDispatchMode
 
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record.nanwatch_ops import pre_state
 
 
-class OpWatchMode(TorchDispatchMode):
+class OpWatchMode(EagerDispatchMode):
     """Runs each op, then hands (func, args, kwargs, out) to ``on_op``; never changes a result.
 
     A failure inside our own checking must not break the user's program: it goes to ``on_error``

@@ -3,6 +3,7 @@ and the cheap ``mode="module"`` check (only module outputs, no dispatch mode).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -29,6 +30,7 @@ from torch_nbdebug.record.tensors import storage_key
 if TYPE_CHECKING:  # pragma: no cover
     from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
 
+_isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
 
 
@@ -73,6 +75,8 @@ class ModuleChecks:
         self._starts: list[Start] = []  # replay: RNG state and argument versions of each running call, by depth
         self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
+        # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
+        self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
     def mine(self) -> bool:
         """Module hooks are global: another thread's modules (its own watch, a worker) are not ours."""
@@ -87,7 +91,7 @@ class ModuleChecks:
         if self._depth() == 1:
             self.ctx.clock.forward()
         self.layers.enter(path)
-        if self.kept is not None and self.kept.entries and getattr(module, "inplace", False) is True:
+        if self.kept is not None and self.kept.entries and declares_inplace(module):
             with self.ctx.quiet():  # it may overwrite a kept output: read what was kept first
                 self.ctx.flush()
 
@@ -200,7 +204,9 @@ class ModuleChecks:
         for entry in self.kept.take():
             for path in entry.paths if entry.table else ():
                 self.layers.take_forward(path, entry.values)
-            if self.replayer is not None and not all(math.isfinite(v) for v in entry.values):
+            values = entry.values
+            if self.replayer is not None and not (_isfinite(values[0]) and _isfinite(values[1])
+                                                  and _isfinite(values[2])):
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
                 else:
@@ -238,20 +244,29 @@ class ModuleChecks:
             if last[2] is not None:
                 last[2].paths.append(path)
             return
+        if self.ctx.options.mode == "module":  # no dispatch mode runs: our statistics ops need no quieting
+            self._record_exit(path, module, args, t)
+        else:
+            with self.ctx.quiet():
+                self._record_exit(path, module, args, t)
+
+    def _record_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
+        """Without replay: the output's statistics now (CPU) or queued on the device (deferred), the
+        module-mode check, and the hook that reads the gradient into the output."""
         ctx = self.ctx
-        with ctx.quiet():
-            values = self.layers.forward(path, t)
-            hook = None
-            if ctx.options.mode == "module":
-                if self.deferred is not None:
-                    self.deferred.queue_module(path, module, args, t)
-                elif not all(math.isfinite(v) for v in values or ()):
-                    self._module_birth(path, module, args, t)
-            if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
-                hook = _GradHook(self, path)
-                ctx.keep_handle(t.register_hook(hook))
-            self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
-            self._bound_backlog()
+        values = self.layers.forward(path, t)
+        hook = None
+        if ctx.options.mode == "module":
+            if self.deferred is not None:
+                self.deferred.queue_module(path, module, args, t)
+            elif values is not None and not (math.isfinite(values[0]) and math.isfinite(values[1])
+                                             and math.isfinite(values[2])):
+                self._module_birth(path, module, args, t)
+        if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
+            hook = _GradHook(self, path)
+            ctx.keep_handle(t.register_hook(hook))
+        self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
+        self._bound_backlog()
 
     def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any,
                    others: list[torch.Tensor]) -> None:
@@ -262,11 +277,11 @@ class ModuleChecks:
         depth = self._depth()
         start = self._starts[depth - 1] if 0 < depth <= len(self._starts) else None
         call = capture(args, self._kwargs, start)
+        inputs, place = _float_args(args), here(path, None)  # (one walk up the stack per exit)
         if depth == 1 and t.requires_grad:
-            self.model_calls.add(module, call, compat.next_sequence_nr(), here(None, None))
+            self.model_calls.add(module, call, compat.next_sequence_nr(), place._replace(module=None))
         if depth == 1:  # checked as this exit returns (``exit``), then dropped
-            self._outer_call = Kept(t, [path], ctx.clock.iteration, module, (), here(path, None), call=call)
-        inputs, place = _float_args(args), here(path, None)
+            self._outer_call = Kept(t, [path], ctx.clock.iteration, module, (), place, call=call)
         container = last is not None and kept.entries and kept.entries[-1].value() is t
         main = kept.entries.pop() if container else None
         for other in others:  # the other outputs (a tuple's 2nd element, a dataclass field): births only
@@ -320,7 +335,8 @@ class ModuleChecks:
         if self.ctx.options.ignore_inf and kind == "inf":
             return
         shape, dtype, device, numel = entry.meta
-        out = TensorStats(shape, dtype, device, numel, note="freed before the check: statistics not kept")
+        out = TensorStats(tuple(shape), str(dtype).replace("torch.", ""), str(device), numel,
+                          note="freed before the check: statistics not kept")
         op = f"{type(entry.module).__name__} (module output)"
         log.add(module_event(self.ctx, entry.place or here(path, None), op, verdict, (), out, kind, entry.module,
                              False, entry.iteration))
@@ -352,26 +368,34 @@ class ModuleChecks:
         if grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return
         path = paths[0]
-        with ctx.quiet():
+        # No dispatch mode on at all (the backward of replay=True, module mode): nothing to keep quiet.
+        with ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
             values = self.layers.gradient(path, grad)
             for other in paths[1:]:
                 if values is not None:
                     self.layers.take_gradient(other, values)
-            self._bound_backlog()
+            if self.layers.deferred:
+                self._bound_backlog()
             if ctx.options.mode != "module":
+                if self.bad_gradient is not None and _non_finite(values):
+                    self.bad_gradient(path, grad)
                 return
             if self.deferred is not None:
                 self.deferred.queue_grad(path, grad)
-            elif not all(math.isfinite(v) for v in values or ()):
+            elif _non_finite(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)
 
-    def _grad_birth(self, path: str, grad: torch.Tensor, iteration: int) -> None:
+    def gradient_birth(self, path: str, grad: Optional[TensorStats], iteration: int) -> None:
+        """A backward birth known only at module level (replay: the model call could not be replayed)."""
+        self._grad_birth(path, grad, iteration)
+
+    def _grad_birth(self, path: str, grad: "torch.Tensor | TensorStats | None", iteration: int) -> None:
         """Module mode: a non-finite gradient into a module output, a birth when nothing came before."""
         ctx = self.ctx
         if judge_gradient(ctx.log.has_events()) != "birth":
             return
-        out = stats_of([grad], 1)[0]
-        kind = kind_of([out])
+        out = stats_of([grad], 1)[0] if isinstance(grad, torch.Tensor) else grad
+        kind = kind_of([out]) if out is not None else "nan"
         if not (ctx.options.ignore_inf and kind == "inf"):
             place = Place(None, path, None, None, "<module>")
             ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
@@ -405,10 +429,36 @@ def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
 
 def _float_args(args: Any) -> tuple[torch.Tensor, ...]:
     """``ops.float_inputs`` of a module's positional arguments, without a tree walk for plain tensors."""
+    if type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common call
+        return args if ops.checkable(args[0]) else ()
     if isinstance(args, tuple) and all(isinstance(a, torch.Tensor) or not isinstance(a, (list, tuple, dict))
                                        for a in args):
         return tuple(a for a in args if isinstance(a, torch.Tensor) and ops.checkable(a))[:32]
     return tuple(ops.float_inputs(args, {}))
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _non_finite(values: Optional[list[float]]) -> bool:
+    """A reading ``[min, max, mean]`` taken now holds a NaN/Inf (None: deferred, nothing read yet)."""
+    return values is not None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2]))
+# module class -> whether ``inplace`` may come from the class (weak: a class redefined in a cell goes)
+_INPLACE_CLASSES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def declares_inplace(module: torch.nn.Module) -> bool:
+    """``getattr(module, "inplace", False) is True`` without ``Module.__getattr__``'s raise for the many
+    modules that have no such attribute: an instance attribute (``nn.ReLU(inplace=True)``) is read from
+    ``__dict__``; a class attribute, property or ``__getattr__`` of the class's own goes through getattr."""
+    cls = type(module)
+    from_class = _INPLACE_CLASSES.get(cls)
+    if from_class is None:
+        from_class = _INPLACE_CLASSES[cls] = (any("inplace" in vars(k) for k in cls.__mro__)
+                                              or cls.__getattr__ is not torch.nn.Module.__getattr__)
+    if from_class:
+        return getattr(module, "inplace", False) is True
+    return module.__dict__.get("inplace", False) is True
 
 
 class _GradHook:

@@ -11,7 +11,8 @@ autograd's version checks still pass), the modules' plain attributes (counters, 
 no backward runs (no ``.grad``), autocast is as it was in the call, and the replay's outputs are
 dropped. When the arguments were changed in place since the call, or one is an object the call may
 update (a KV cache), or a hook would run again, the replay is not attempted; the caller then reports
-at module level and says why.
+at module level and says why. A birth in a model's backward is replayed the same way, forward and
+backward together (:mod:`nanwatch_backward_calls`, with :func:`replay_context`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from torch_nbdebug.record.source import line_of
 from torch_nbdebug.record.nanwatch_ops import propagating_sum
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """What a replay needs of one module call (references: dropped with the kept entry)."""
 
@@ -46,6 +47,7 @@ class Call:
     refs: bool = False  # args, kwargs and tensors hold weak references (see ``weakened``)
     autocast: tuple = ()  # compat.autocast_state() when the call ran: the replay runs under the same
     params: Optional[tuple[int, ...]] = None  # the module's parameter versions (ModelCalls.add)
+    parameters: tuple[torch.Tensor, ...] = ()  # the module's parameters, in order (ModelCalls.add)
 
     def params_changed(self, module: torch.nn.Module) -> bool:
         """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values."""
@@ -107,8 +109,9 @@ def _strong(value: Any) -> Any:
 
 
 def rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
-    """The CPU generator's state (a 5 KB copy, under a microsecond) and CUDA's when CUDA is in use."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    """The CPU generator's state (a 5 KB copy, under a microsecond) and CUDA's when CUDA is in use
+    (``is_initialized`` alone: it is never True without a device, and ``is_available`` costs more)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
 
 
@@ -117,7 +120,7 @@ Start = tuple[tuple[torch.Tensor, Optional[list[torch.Tensor]]], tuple[int, ...]
 
 def call_start(args: Any) -> Start:
     """Taken in the forward pre-hook: the RNG state and the positional tensors' versions."""
-    versions = tuple(ops.version_of(t) for t in args if isinstance(t, torch.Tensor)) \
+    versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
         if isinstance(args, tuple) else ()
     return rng_state(), versions, compat.next_sequence_nr()
 
@@ -125,15 +128,16 @@ def call_start(args: Any) -> Start:
 def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
     """The call as the exit hook sees it; versions from its start (a forward that wrote its own input
     in place cannot be replayed)."""
-    tensors = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
-    versions = tuple(ops.version_of(t) for t in tensors)
+    tensors = tuple([t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)] if kwargs
+                    else [t for t in args if isinstance(t, torch.Tensor)])
     rng: tuple[Optional[torch.Tensor], Optional[list[torch.Tensor]]] = (None, None)
-    seq = None
+    seq, before = None, ()
     if start is not None:
         rng, before, seq = start
-        versions = before + versions[len(before):]
+    # (the tensors the start saw keep its versions; only those after them are read now)
+    versions = before + tuple([ops.version_of(t) for t in tensors[len(before):]])
     return Call(tuple(args), dict(kwargs), versions, tensors, rng[0], rng[1], torch.is_grad_enabled(), seq,
-                autocast=compat.autocast_state())
+                autocast=() if compat.autocast_off() else compat.autocast_state())
 
 
 def _param_versions(module: torch.nn.Module) -> tuple[int, ...]:
@@ -144,11 +148,19 @@ def replay_call(module: torch.nn.Module, call: Call, watched: Callable[[], Any])
     """Run ``module(*args, **kwargs)`` again inside ``watched()`` (a context that puts the per-op
     watch on); the user's RNG streams, buffers, module attributes and grad mode are as before
     afterwards. True when the replay changed an attribute (put back)."""
+    with replay_context(module, call, watched) as changed:
+        module(*call.args, **call.kwargs)
+    return bool(changed)
+
+
+@contextlib.contextmanager
+def replay_context(module: torch.nn.Module, call: Call, watched: Callable[[], Any]) -> Iterator[list[bool]]:
+    """What :func:`replay_call` runs the call in (for a caller that also runs its backward): the
+    yielded list gets True when the replay changed a module attribute (put back)."""
     changed: list[bool] = []
     with _restored_attributes(module, changed), _restored_rng(call), _restored_buffers(module), \
             _grad_mode(call.grad_enabled), _autocast_as(call.autocast), watched():
-        module(*call.args, **call.kwargs)
-    return bool(changed)
+        yield changed
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, complex, str, bool, type(None))
@@ -289,6 +301,8 @@ class Replayer:
         """``entry`` (a forward :class:`~nanwatch_kept.Kept`) came out non-finite: find who made it.
         ``first``: the log's length when this check began (events of earlier checks are other births)."""
         log, path = self.ctx.log, entry.paths[0]
+        if compat.current_autograd_node() is not None:
+            return False  # a forward run by backward (checkpointing): the backward's own check replays it
         if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.events[first:]):
             return False  # an inner call's birth, replayed already: this output only carries it
         inputs = entry.live_inputs() or ()
@@ -327,6 +341,10 @@ class Replayer:
         if len(log.events) > before:
             self._note(NOT_REPLAYED.format(module=path, why=why))
         return False
+
+    def note(self, note: str) -> None:
+        """A sentence for the report's notes (at most three, each once)."""
+        self._note(note)
 
     def _note(self, note: str) -> None:
         if len(self.notes) < 3 and note not in self.notes:
@@ -369,8 +387,8 @@ def with_forward(event: Any, place: Any) -> Any:
     """A backward birth given the forward op, module and line a replay found for its node."""
     event = dataclasses.replace(event, forward_op=str(place.op) if place.op is not None else None,
                                 forward_module=place.module, forward_lineno=place.lineno)
-    if event.cause == "user_backward":  # the user's own backward code keeps its line
-        return event
+    if event.cause == "user_backward":  # the user's own backward code keeps its line (the module is the node's)
+        return dataclasses.replace(event, module=place.module)
     return dataclasses.replace(at_place(event, place), module=place.module)
 
 
@@ -384,9 +402,49 @@ class ModelCalls:
 
     def add(self, module: torch.nn.Module, call: Call, end: int, place: Any) -> None:
         """``end``: the sequence number after the call; ``place``: the user's line that made it."""
-        if call.seq is not None and call.grad_enabled:
-            call = dataclasses.replace(call, params=_param_versions(module))
+        if call.seq is not None and call.grad_enabled and compat.current_autograd_node() is None:
+            # (a forward run by backward, a checkpoint's recomputation, is part of that backward)
+            parameters = parameters_of(module)  # one walk of the module tree per call
+            call = dataclasses.replace(call, params=tuple(ops.version_of(p) for p in parameters),
+                                       parameters=parameters)
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
     def clear(self) -> None:
         self.calls = []
+
+
+# module classes whose parameters() is nn.Module's own walk (weak: a class redefined in a cell goes)
+_PLAIN_WALK: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(module.parameters())``, the same tensors in the same order, in one loop over the
+    ``_modules`` and ``_parameters`` dicts (the generator chain of ``named_modules`` and
+    ``_named_members`` costs four times as much); a class that overrides how modules or parameters
+    are listed gets its own ``parameters()``."""
+    found: list[torch.Tensor] = []
+    seen_modules: set = set()
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if m in seen_modules:
+            continue
+        plain = _PLAIN_WALK.get(type(m))
+        if plain is None:
+            plain = _PLAIN_WALK[type(m)] = _lists_plainly(type(m))
+        if not plain:
+            return tuple(module.parameters())
+        seen_modules.add(m)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+        stack += [c for c in reversed(m._modules.values()) if c is not None]
+    return tuple(found)
+
+
+def _lists_plainly(cls: type) -> bool:
+    module = torch.nn.Module
+    return all(getattr(cls, name, None) is getattr(module, name) for name in
+               ("parameters", "named_parameters", "named_modules", "_named_members", "modules"))

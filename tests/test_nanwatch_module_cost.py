@@ -1,0 +1,353 @@
+"""The module layer's cost, counted in ATen ops and host reads, and that its table shows the precise numbers.
+
+The layer table (min/max/mean of each module output and of the gradient into it) costs one ``aminmax``
+and one ``sum`` per reading on every path: read at once on the CPU, left on the device and stacked with
+the other waiting readings on the deferred (CUDA) path, computed when the model returns for the kept
+outputs of ``replay=True``. Whatever the path, the numbers are those of reading each tensor on its own.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from host_syncs import SmallGPT, counting_host_syncs
+from torch_nbdebug.api.nanwatch import nanwatch
+from torch_nbdebug.record import compat
+from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor, stat_values
+
+_VIEWS = {"detach", "alias", "view", "_unsafe_view"}
+
+
+class OpCount(compat.TorchDispatchMode):
+    """Counts the ATen ops that compute something (views left out), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name not in _VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_deferred_reading_is_two_reductions_and_the_readings_are_stacked_once() -> None:
+    """On the device each reading is ``aminmax`` and ``sum`` (no casts, no division, no stack per
+    reading); the flush stacks every waiting reading in one op before the one transfer."""
+    rec = LayerRecorder(deferred=True)
+    tensors = [torch.randn(4, 8) * (i + 1) for i in range(5)]
+    with OpCount() as made:
+        for i, t in enumerate(tensors):
+            assert rec.forward(f"m{i}", t) is None
+    assert made.ops == {"aminmax": 5, "sum": 5}
+    assert rec.backlog == 5
+    with OpCount() as flushed:
+        taken = rec.take_pending()
+    assert flushed.ops == {"stack": 1} and len(taken) == 1 and rec.backlog == 0
+    assert all(row.fwd_min is None for row in rec.rows(set()))  # handed over: nothing applied yet
+    flat = taken[0][1].tolist()
+    rec.apply(taken, [flat])
+    for i, t in enumerate(tensors):
+        row = {r.module: r for r in rec.rows(set())}[f"m{i}"]
+        assert [row.fwd_min, row.fwd_max, row.fwd_mean] == stat_values(t)
+
+
+def test_deferred_readings_of_several_dtypes_are_grouped_and_exact() -> None:
+    """float64 statistics stay float64; half types are summed in float32 (as read at once)."""
+    rec = LayerRecorder(deferred=True)
+    tensors = {"f32": torch.randn(3, 5), "f64": torch.randn(7, dtype=torch.float64) * 1e10,
+               "bf16": (torch.randn(6) * 100).bfloat16(), "f16": torch.randn(9).half()}
+    for path, t in tensors.items():
+        rec.forward(path, t)
+        rec.gradient(path, t * 2)
+    taken = rec.take_pending()
+    assert sorted(str(t.dtype) for _, t in taken) == ["torch.float32", "torch.float64"]
+    rec.apply(taken, [t.tolist() for _, t in taken])
+    rows = {row.module: row for row in rec.rows(set())}
+    for path, t in tensors.items():
+        row = rows[path]
+        assert [row.fwd_min, row.fwd_max, row.fwd_mean] == stat_values(t)
+        assert [row.grad_min, row.grad_max, row.grad_mean] == stat_values(t * 2)
+        assert row.fwd_finite is True and row.grad_finite is True
+
+
+def test_a_non_finite_deferred_reading_is_kept_as_the_first_bad_one() -> None:
+    rec = LayerRecorder(deferred=True)
+    rec.enter("m")
+    rec.forward("m", torch.tensor([1.0, float("nan")]))
+    rec.enter("m")
+    rec.forward("m", torch.tensor([2.0, 4.0]))
+    (row,) = rec.rows(set())
+    assert (row.calls, row.fwd_finite, row.fwd_min, row.fwd_max, row.fwd_mean) == (2, False, None, None, None)
+
+
+class Net(nn.Module):
+    """Containers returning a child's output, an in-place ReLU after a layer, a tuple output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.LayerNorm(16), nn.Linear(16, 16))
+        self.split = Pair()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.split(self.body(x))
+        return self.head(a * b)
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.tanh(), x.sigmoid()
+
+
+def _reference(model: nn.Module, run: Callable[[], None]) -> tuple[dict, dict]:
+    """Each module's output and output-gradient statistics, read on their own as each module exits."""
+    fwd: dict[str, list[float]] = {}
+    grad: dict[str, list[float]] = {}
+    names = {m: "model" + ("." + n if n else "") for n, m in model.named_modules()}
+    handles = []
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        t = first_float_tensor(output)
+        if t is not None:
+            path = names[module]
+            fwd[path] = stat_values(t)
+            if t.requires_grad:
+                def read(g: torch.Tensor) -> None:  # returns None: the gradient is left as it is
+                    grad[path] = stat_values(g)
+                t.register_hook(read)
+    for module in model.modules():
+        handles.append(module.register_forward_hook(hook))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return fwd, grad
+
+
+@pytest.mark.parametrize("options", [dict(mode="module"), dict(mode="module", defer=True), dict(),
+                                     dict(replay=False)], ids=["module", "module-deferred", "replay", "always"])
+def test_the_table_shows_each_outputs_own_statistics(options: dict) -> None:
+    """Batched, deferred or kept, every row is the statistics of that module's own output (read before
+    the in-place ReLU that follows it) and of the gradient into it, bit for bit."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(5, 8)
+
+    def run() -> None:
+        model.zero_grad()
+        model(x).square().sum().backward()
+
+    fwd, grad = _reference(model, run)
+    with nanwatch(namespace={"model": model}, **options) as report:
+        run()
+    rows = {row.module: row for row in report.layers}
+    assert report.events == ()
+    assert set(rows) == set(fwd)
+    for path, values in fwd.items():
+        row = rows[path]
+        assert [row.fwd_min, row.fwd_max, row.fwd_mean] == values, path
+        assert [row.grad_min, row.grad_max, row.grad_mean] == grad[path], path
+    assert rows["model.body.0"].fwd_min < 0 and rows["model.body.1"].fwd_min == 0.0  # before and after ReLU_
+
+
+def _ops_of(run: Callable[[], Any], watch: Optional[Callable[[], Any]]) -> collections.Counter:
+    with OpCount() as counted:
+        if watch is None:
+            run()
+        else:
+            with watch():
+                run()
+    return counted.ops
+
+
+def test_module_mode_costs_one_aminmax_and_one_sum_per_distinct_output() -> None:
+    """A forward under ``mode="module"`` adds two reductions per module output and nothing else that
+    computes (a container returning its child's output is not read again)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        plain = _ops_of(lambda: model(x), None)
+        watched = _ops_of(lambda: model(x), lambda: nanwatch(mode="module", namespace={"model": model}))
+    extra = watched - plain
+    distinct = 4  # model.0, model.1.0, model.1.1 (model.1 returns it), model.2 (model returns it)
+    assert extra["aminmax"] == distinct and extra["sum"] == distinct
+    assert set(extra) <= {"aminmax", "sum", "_local_scalar_dense"}  # reading a CPU scalar
+
+
+def test_kept_outputs_are_read_once_per_model_call() -> None:
+    """``replay=True``: the module outputs of a forward are read together, with one host read, when the
+    model returns (not one read per module)."""
+    model, idx = SmallGPT(), torch.randint(0, 512, (2, 16))
+    with nanwatch(namespace={"model": model}) as report:
+        with torch.no_grad():
+            model(idx)  # the first call: the watch's own first-call work is not what is counted
+            with counting_host_syncs() as syncs:
+                for _ in range(3):
+                    model(idx)
+    assert syncs.count == 3, syncs.calls
+    assert report.events == () and len(report.layers) > 10
+
+
+class _Shared(nn.Module):
+    """A module tree with a shared child, a shared parameter, an empty slot and a None parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Sequential(nn.Linear(3, 3), self.a, None)  # type: ignore[arg-type]
+        self.c = nn.Linear(3, 3)
+        self.c.weight = self.b[0].weight
+        self.register_parameter("nothing", None)
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+class _OwnParameters(nn.Module):
+    """A module listing only some of its parameters (its own ``parameters()`` must be asked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept, self.hidden = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+        return self.kept.parameters(recurse)
+
+
+@pytest.mark.parametrize("make", [_Shared, SmallGPT, _OwnParameters, lambda: nn.Sequential(_OwnParameters())],
+                         ids=["shared", "gpt", "own-parameters", "own-parameters-inside"])
+def test_the_fast_parameter_walk_lists_what_parameters_lists(make: Callable[[], nn.Module]) -> None:
+    """The model call's weights (kept for the backward's replay) are ``module.parameters()``: the same
+    tensors in the same order, shared ones once, whatever the tree."""
+    from torch_nbdebug.record.nanwatch_replay import parameters_of
+
+    module = make()
+    assert [id(p) for p in parameters_of(module)] == [id(p) for p in module.parameters()]
+
+
+class _ClassInplace(nn.Module):
+    inplace = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.relu_()
+
+
+class _PropertyInplace(nn.Module):
+    def __init__(self, on: bool) -> None:
+        super().__init__()
+        self.on = on
+
+    @property
+    def inplace(self) -> bool:
+        return self.on
+
+
+class _Forwarding(nn.Module):
+    """A wrapper whose ``__getattr__`` forwards unknown names to the module it wraps (as FSDP does)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(inplace=True), nn.ReLU(), nn.Linear(2, 2), nn.Dropout(inplace=True),
+                                    _ClassInplace(), _PropertyInplace(True), _PropertyInplace(False),
+                                    _Forwarding(nn.ReLU(inplace=True)), _Forwarding(nn.ReLU())],
+                         ids=lambda m: type(m).__name__ + ("-on" if getattr(m, "inplace", False) else ""))
+def test_an_inplace_module_is_known_as_getattr_knows_it(module: nn.Module) -> None:
+    """The check before an in-place module runs (it may overwrite a kept output) asks what
+    ``getattr(module, "inplace", False) is True`` says, for instance attributes, class attributes,
+    properties and modules forwarding attribute lookups."""
+    from torch_nbdebug.record.nanwatch_modules import declares_inplace
+
+    assert declares_inplace(module) is (getattr(module, "inplace", False) is True)
+
+
+def test_a_call_keeps_the_versions_its_arguments_had_when_it_started() -> None:
+    """The positional tensors' versions are those at the call's start (a forward writing its own input
+    cannot be replayed); keyword tensors are read as the call returns; autocast is recorded as on."""
+    from torch_nbdebug.record.nanwatch_replay import call_start, capture
+
+    x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
+    start = call_start((x, 2.0, y))
+    x.add_(1)
+    call = capture((x, 2.0, y), {"mask": z, "n": 3}, start)
+    assert call.tensors == (x, y, z) and call.versions == (0, 0, 0) and call.changed()
+    assert call.autocast == ()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert capture((y,), {}, None).autocast == (("cpu", torch.bfloat16),)
+    assert capture((y,), {}, None).versions == (0,) and not capture((y,), {}, None).changed()
+
+
+def test_each_module_exit_walks_up_the_stack_once_and_the_model_call_has_the_users_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module exit reads the user's line once, the outermost one too: the model call (which names
+    backward births) has the line that called the model, with no module and no op."""
+    from torch_nbdebug.record import nanwatch_modules
+
+    walks: list[Optional[str]] = []
+    real_here = nanwatch_modules.here
+
+    def counting_here(module: Optional[str], op: Any, start: Any = None) -> Any:
+        walks.append(module)
+        return real_here(module, op, start if start is not None else inspect.currentframe().f_back)  # type: ignore[union-attr]
+
+    monkeypatch.setattr(nanwatch_modules, "here", counting_here)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    watch = nanwatch(namespace={"model": model})
+    with watch:
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        out = model(x)
+        calls = list(watch._recorder.modules.model_calls.calls)
+        out.sum().backward()
+    assert sorted(walks) == ["model", "model.0", "model.1"]  # one per module exit
+    assert len(calls) == 1
+    module, _call, _end, place = calls[0]
+    assert module is model
+    assert place.module is None and place.op is None
+    assert (place.filename, place.lineno) == (__file__, line)
+    assert place.function == "test_each_module_exit_walks_up_the_stack_once_and_the_model_call_has_the_users_line"
+
+
+def test_the_exit_hook_is_never_traced_by_dynamo() -> None:
+    """``not_traced(hook)`` runs the hook as ``torch.compiler.disable(hook)`` would: called with its
+    arguments, its result returned, and never while Dynamo traces a compiled function that calls it."""
+    from torch_nbdebug.record.nanwatch import not_traced
+
+    seen: list[bool] = []
+
+    def hook(a: torch.Tensor, b: int) -> int:
+        seen.append(torch.compiler.is_compiling())
+        return b + 1
+
+    wrapped = not_traced(hook)
+    assert wrapped(torch.ones(1), 2) == 3 and seen == [False]
+    with nanwatch(namespace={}):  # its hooks are this package's: a replay in another watch runs despite them
+        assert compat.global_module_hook_ids("torch_nbdebug") == set()
+        assert compat.global_module_hook_ids()
+    assert not_traced(hook).func is wrapped.func  # one disabled trampoline, made once
+
+    @torch.compile(backend="eager")
+    def f(x: torch.Tensor) -> torch.Tensor:
+        wrapped(x, 1)
+        return x + 1
+
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(f(torch.zeros(2)), torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert seen == [False, False]
