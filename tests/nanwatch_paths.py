@@ -4,9 +4,13 @@ model's forward, a non-finite module call replayed under it) and the always-on p
 under both, with the same assertions: the report must be the same."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
+import torch
 
 from torch_nbdebug.api import nanwatch as nanwatch_api
+from torch_nbdebug.api.nanwatch import nanwatch
 
 
 @pytest.fixture(autouse=True, params=["replay", "always-on"])
@@ -28,3 +32,16 @@ def marker_line(source: list[str], marker: str) -> int:
     found = [i + 1 for i, text in enumerate(source) if marker in text and "line(" not in text]
     assert len(found) == 1, marker
     return found[0]
+
+
+def both(make: Callable[[], Any], body: Callable[[Any], None], seed: int = 0, grad: bool = True) -> tuple[Any, Any]:
+    """The same code under the always-on watch and under replay, each on a fresh model made after
+    ``torch.manual_seed(seed)``; ``grad=False``: the watch and the code run under ``no_grad``."""
+    reports = []
+    for replay in (False, True):
+        torch.manual_seed(seed)
+        model = make()
+        with torch.set_grad_enabled(grad), nanwatch(replay=replay, namespace={"model": model}) as report:
+            body(model)
+        reports.append(report)
+    return reports[0], reports[1]

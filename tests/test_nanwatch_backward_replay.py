@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from torch_nbdebug.api.nanwatch import NanEvent, nanwatch
+from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record import compat, nanwatch_backward, nanwatch_backward_calls
 
-from nanwatch_paths import immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
+from nanwatch_paths import both, immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
 
 SRC = open(__file__).read().splitlines()
 
@@ -33,18 +33,6 @@ def line(marker: str) -> int:
 
 FIELDS = ("phase", "op", "kind", "module", "filename", "lineno", "function", "inputs", "output", "iteration",
           "cause", "input_op", "aten_op", "node_name", "forward_op", "forward_module", "forward_lineno", "detail")
-
-
-def both(make: Callable[[], Any], body: Callable[[Any], None], seed: int = 0) -> tuple[Any, Any]:
-    """The same code under the always-on watch and under replay, each on a fresh model."""
-    reports = []
-    for replay in (False, True):
-        torch.manual_seed(seed)
-        model = make()
-        with nanwatch(replay=replay, namespace={"model": model}) as report:
-            body(model)
-        reports.append(report)
-    return reports[0], reports[1]
 
 
 def assert_same(always: Any, replayed: Any) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from torch_nbdebug.api.nanwatch import NanEvent, nanwatch
 
-from nanwatch_paths import immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
+from nanwatch_paths import both, immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
 
 SRC = open(__file__).read().splitlines()
 
@@ -329,14 +329,7 @@ def test_a_later_birth_in_a_module_that_already_has_an_event_is_still_found() ->
     """Only the events of the running check say "an inner call's birth, replayed already"."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
-    reports = {}
-    for replay in (False, True):
-        torch.manual_seed(0)
-        model = TwoBirths()
-        with torch.no_grad(), nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
-            for step in range(2):
-                model(x, step)
-    always, replayed = reports[False], reports[True]
+    always, replayed = both(TwoBirths, lambda model: [model(x, step) for step in range(2)], grad=False)
     assert [e.lineno for e in replayed.events] == [line("@replay-first-birth"), line("@replay-later-birth")]
     assert len(replayed.events) == len(always.events)
     for a, b in zip(always.events, replayed.events):
@@ -358,13 +351,7 @@ def test_an_in_place_write_by_the_parent_on_a_childs_output_is_blamed_on_the_par
     """A kept output written in place since its module returned is not the child's birth."""
     torch.manual_seed(0)
     x = torch.randn(2, 4)
-    reports = {}
-    for replay in (False, True):
-        torch.manual_seed(0)
-        model = WritesChildOutput()
-        with torch.no_grad(), nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
-            model(x)
-    always, replayed = reports[False], reports[True]
+    always, replayed = both(WritesChildOutput, lambda model: model(x), grad=False)
     assert replayed.first.op == "aten.log_.default" and replayed.first.module == "model"
     assert replayed.first.lineno == line("@replay-parent-inplace")
     same(always.first, replayed.first)
@@ -488,14 +475,7 @@ class DataclassOut(nn.Module):
 def test_a_birth_in_a_later_or_dataclass_output_is_found_as_by_the_always_on_watch(cls: type, marker: str) -> None:
     """Every float leaf of a module's output is checked, not only the first tensor."""
     x = torch.randn(2, 4)
-    reports = {}
-    for replay in (False, True):
-        torch.manual_seed(0)
-        model = cls()
-        with nanwatch(replay=replay, namespace={"model": model}) as reports[replay]:
-            out = model(x)
-            del out
-    always, replayed = reports[False], reports[True]
+    always, replayed = both(cls, lambda model: model(x))
     assert replayed.first.op == "aten.log.default" and replayed.first.lineno == line(marker)
     assert len(always.events) == len(replayed.events)
     for a, b in zip(always.events, replayed.events):

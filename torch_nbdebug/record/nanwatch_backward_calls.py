@@ -213,7 +213,7 @@ class CallChecks:
         owner: list[int] = []
         params: list[torch.Tensor] = []
         for i, region in enumerate(regions):
-            for p in region.call.parameters or self._parameters(region.module):
+            for p in self._call_parameters(region):
                 g = p.grad
                 if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED and g.is_floating_point():
                     grads.append(g)
@@ -248,6 +248,10 @@ class CallChecks:
             cached = self._params[id(module)] = (module, [p for p in module.parameters() if p.requires_grad])
         return cached[1]
 
+    def _call_parameters(self, region: Region) -> "tuple[torch.Tensor, ...] | list[torch.Tensor]":
+        """The call's parameters as listed when it ran (``ModelCalls.add``), else its module's."""
+        return region.call.parameters or self._parameters(region.module)
+
     # -- the replay of a model call ------------------------------------------------------------
     def not_replayable(self, region: Region, forward: bool = False) -> str:
         """Why the call cannot be replayed exactly ("" when it can); asked before its backward starts
@@ -265,13 +269,13 @@ class CallChecks:
             return reason
         return ("saved-tensor hooks were active at the call" if region.saved_hooks
                 else "a parameter has a hook (register_hook or register_post_accumulate_grad_hook)"
-                if any(compat.leaf_hooks(p, OWN_TENSOR_HOOKS) for p in call.parameters or self._parameters(module))
+                if any(compat.leaf_hooks(p, OWN_TENSOR_HOOKS) for p in self._call_parameters(region))
                 else "")
 
     def grads_before(self, regions: list[Region]) -> None:
         """As the backward starts: which parameters of ``regions`` hold a finite ``.grad`` (only those can
         overflow in this backward's accumulation; one batched norm, read when a ``.grad`` exists)."""
-        params = [p for r in regions for p in r.call.parameters or self._parameters(r.module)
+        params = [p for r in regions for p in self._call_parameters(r)
                   if p.grad is not None and type(p.grad) is torch.Tensor and p.grad.layout == _STRIDED]
         self._finite_before = set()
         if not params:
@@ -341,7 +345,7 @@ class CallChecks:
         came_nan = any(ops.has_nan(g) for g in came)
         made_nan = (region.inner is not None and bool(region.inner[1].nan)) or region.args_nan or (
             not came_nan and any(p.grad is not None and ops.checkable(p.grad) and ops.has_nan(p.grad)
-                                 for p in region.call.parameters or self._parameters(region.module)))
+                                 for p in self._call_parameters(region)))
         return may_hold_birth(True, came_nan, made_nan, True)
 
     def _replay(self, region: Region) -> bool:

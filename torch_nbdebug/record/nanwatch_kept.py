@@ -65,16 +65,8 @@ class Kept:
     def written_since(self) -> bool:
         """Written in place after the module returned (``h = self.fc(x); h.log_()`` in the parent): its
         numbers now are the parent's doing, not this module's."""
-        t = self.value()
+        t = self.tensor if self.ref is None else self.ref()
         return t is not None and version_of(t) != self.version
-
-
-def _written_since(entry: Kept) -> bool:
-    """:meth:`Kept.written_since` for a strongly kept output without the method calls (once per entry)."""
-    t = entry.tensor
-    if t is None or entry.ref is not None:
-        return entry.written_since()
-    return version_of(t) != entry.version
 
 
 class KeptReadings:
@@ -103,7 +95,7 @@ class KeptReadings:
 
     def take(self) -> list[Kept]:
         """Every entry with its ``values`` filled, read in one transfer per device; the list is emptied."""
-        entries, self.entries = [e for e in self.entries if not _written_since(e)], []
+        entries, self.entries = [e for e in self.entries if not e.written_since()], []
         if not entries:
             return entries
         parts: list[torch.Tensor] = []

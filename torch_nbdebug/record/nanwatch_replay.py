@@ -323,7 +323,7 @@ class Replayer:
             probe, seq = user_line(), compat.next_sequence_nr()
             try:
                 if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type]
-                    self._note(f"{path}: the replay changed the module's attributes (put back)")
+                    self.note(f"{path}: the replay changed the module's attributes (put back)")
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands (unless it found the op)
                 if len(log.events) == before:
                     why = f"the replay raised {type(exc).__name__}: {exc}"
@@ -339,14 +339,11 @@ class Replayer:
             return False
         self._fallback(entry, first)
         if len(log.events) > before:
-            self._note(NOT_REPLAYED.format(module=path, why=why))
+            self.note(NOT_REPLAYED.format(module=path, why=why))
         return False
 
     def note(self, note: str) -> None:
         """A sentence for the report's notes (at most three, each once)."""
-        self._note(note)
-
-    def _note(self, note: str) -> None:
         if len(self.notes) < 3 and note not in self.notes:
             self.notes.append(note)
 
