@@ -10,7 +10,7 @@ from torch import nn
 from torch_nbdebug.api import nanwatch as nanwatch_api
 from torch_nbdebug.api.nanwatch import NanEvent, NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
-from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
+from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
 
 SRC = open(__file__).read().splitlines()
 
@@ -26,9 +26,7 @@ def check_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 def line(marker: str) -> int:
     """1-based line of this file holding ``marker`` (a comment next to the code under test)."""
-    found = [i + 1 for i, text in enumerate(SRC) if marker in text and "line(" not in text]
-    assert len(found) == 1, marker
-    return found[0]
+    return marker_line(SRC, marker)
 
 
 class LogBlock(nn.Module):

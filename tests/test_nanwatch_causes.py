@@ -16,7 +16,7 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from torch_nbdebug.api.nanwatch import nanwatch
-from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
+from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
 
 from test_nanwatch import check_path  # noqa: F401 - every test on both check paths
 
@@ -24,9 +24,7 @@ SRC = open(__file__).read().splitlines()
 
 
 def line(marker: str) -> int:
-    found = [i + 1 for i, text in enumerate(SRC) if marker in text and "line(" not in text]
-    assert len(found) == 1, marker
-    return found[0]
+    return marker_line(SRC, marker)
 
 
 # -- a NaN already in a parameter or buffer -----------------------------------------------------------

@@ -10,7 +10,7 @@ from torch import nn
 
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.errors import InputError, NanBirthError
-from nanwatch_paths import watch_kind  # noqa: F401 - every test under both op-mode watches
+from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
 from torch_nbdebug.record.modules import global_hook_counts
 
 from test_nanwatch import CausalAttention, SqrtNorm, check_path, make_model  # noqa: F401 - both paths
@@ -20,9 +20,7 @@ SRC = open(__file__).read().splitlines()
 
 
 def line(marker: str) -> int:
-    found = [i + 1 for i, text in enumerate(SRC) if marker in text and "line(" not in text]
-    assert len(found) == 1, marker
-    return found[0]
+    return marker_line(SRC, marker)
 
 
 def _sqrt_model() -> nn.Module:
