@@ -20,6 +20,15 @@ repeat, one thread, medians printed with ratios to the plain step.
 memory_timeline's mode skips), and the profiler's own C++ memory feed (``profile_memory=True``, no shapes,
 no stacks, no post-processing: the raw kineto result only). On CPU there is no other allocation feed
 (no allocator history or hooks, unlike CUDA), so the no-op mode is memory_timeline's floor.
+
+The same feed without op events (an activity set with no CPU ops in it: on this CPU-only build, {CUDA}
+records nothing else) is the floor of a recorder built on the allocator's events plus module hooks
+(issue 11; evaluated and not built): the step itself runs at full speed, but stopping post-processes every
+allocation and free event in C++, and reading each event's address, bytes and time (needed to pair a free
+with its allocation) costs more again in Python. Its two rows time start + stop, then start + stop + that
+read: on the 2-layer GPT (about 950 allocator events per step) 1.4-1.6x and 1.9-2.1x, above the 1.5x
+target before any bookkeeping, module hooks or timeline.
+The profiler's C++ log lines on fd 2 are silenced around the floor rows (bench output only).
 """
 from __future__ import annotations
 
@@ -29,8 +38,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -103,14 +113,16 @@ def under(mode_class: Any, step: Callable[[], None]) -> None:
         step()
 
 
-def profiler_feed(step: Callable[[], None]) -> Any:
+def profiler_feed(step: Callable[[], None], cpu_ops: bool = True) -> Any:
     """The profiler's memory events only: start kineto with profile_memory, run, stop; the raw result
-    (what an allocation feed would read) without torch.profiler's Python post-processing."""
+    (what an allocation feed would read) without torch.profiler's Python post-processing. Without
+    ``cpu_ops`` no op events are recorded: an activity set with no CPU in it (an empty one is refused;
+    on this CPU-only build {CUDA} records nothing else, on a CUDA build it would trace kernels)."""
     from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
     from torch.autograd.profiler import ProfilerActivity, _disable_profiler, _enable_profiler, _prepare_profiler
 
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-    activities = {ProfilerActivity.CPU}
+    activities = {ProfilerActivity.CPU if cpu_ops else ProfilerActivity.CUDA}
     _prepare_profiler(config, activities)
     _enable_profiler(config, activities)
     try:
@@ -118,6 +130,38 @@ def profiler_feed(step: Callable[[], None]) -> Any:
     finally:
         result = _disable_profiler()
     return result
+
+
+def memory_only_feed(step: Callable[[], None], read: bool) -> Any:
+    """The allocator's [memory] events without op events: start, run, stop; with ``read``, each event's
+    address, bytes (+ allocated, - freed) and time, as a recorder pairing allocations with frees needs."""
+    result = profiler_feed(step, cpu_ops=False)
+    if not read:
+        return result
+    return [(e.extra_fields.ptr, e.extra_fields.alloc_size, e.start_time_ns) for e in result.experimental_event_tree()]
+
+
+@contextmanager
+def quiet_fd2() -> Iterator[None]:
+    """fd 2 to /dev/null for the block: the profiler's C++ logs (USDT start/stop, "Failed to recover
+    relationship...", "Memory block of unknown size...") would flood the benchmark's output."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def quietly(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` with fd 2 silenced while it runs (see ``quiet_fd2``)."""
+    def run() -> None:
+        with quiet_fd2():
+            fn()
+    return run
 
 
 def export_seconds(prof: Any) -> float:
@@ -136,7 +180,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler comparison")
     parser.add_argument("--floors", action="store_true",
-                        help="also time a no-op dispatch mode (with/without dynamo's wrapper) and the raw profiler memory feed")
+                        help="also time a no-op dispatch mode (with/without dynamo's wrapper), the raw profiler memory feed "
+                             "and the memory-only feed (no op events) with and without reading its events")
     parser.add_argument("--lines-cost", action="store_true",
                         help="also time memory_timeline(record_lines=False): the cost of naming source lines")
     args = parser.parse_args()
@@ -175,7 +220,10 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
     step()  # warm-up: Adam state, allocator, lazy init
     recorded(step, ns).html()  # warm-up of the recorder and the renderer too
     floors = {"no-op mode": lambda: under(_NoOpMode, step), "no-op mode, no dynamo wrapper": lambda: under(_NoOpEagerMode, step),
-              "profiler memory feed, raw": lambda: profiler_feed(step)} if args.floors else {}
+              "profiler memory feed, raw": quietly(lambda: profiler_feed(step)),
+              "memory-only feed (no op events)": quietly(lambda: memory_only_feed(step, read=False)),
+              "memory-only feed + read events": quietly(lambda: memory_only_feed(step, read=True)),
+              } if args.floors else {}
     timings = Timings(["plain", "memory_timeline", "no lines", "profiler", *floors])
     renders, events, exports = [], [], []
     for r in range(repeats):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import Any, Iterator
 
 import pytest
@@ -87,6 +88,20 @@ def test_another_model_of_the_same_class_compiles_after_a_watch(compiled: tuple[
         model(torch.randn(3, 4))
     other = torch.compile(Net(), backend="aot_eager")
     assert kind(other(torch.randn(3, 4))) == COMPILED
+
+
+@pytest.mark.parametrize("mode", ["op", "module"])
+def test_a_compiled_model_called_after_a_watch_gives_no_global_hook_warning(compiled: tuple[Net, Any],
+                                                                          mode: str) -> None:
+    """Torch's handle for a ``with_kwargs`` global hook forgets its flag when removed: after the watch,
+    every call of a compiled module warned of global hooks that were gone (they fire an extra time)."""
+    _, model = compiled
+    with nb.nanwatch(mode=mode):
+        model(torch.randn(3, 4)).sum().backward()
+    assert not torch.nn.modules.module._has_any_global_hook()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(3, 4))
 
 
 def test_op_nanwatch_still_finds_a_birth_inside_compiled_code(compiled: tuple[Net, Any]) -> None:

@@ -174,3 +174,101 @@ def _line(marker: str) -> int:
         if marker in text and "_line(" not in text:
             return number
     raise AssertionError(marker)
+
+
+class _AllOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every ATen op (views and detaches too), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_optimizer_check_is_one_batched_norm_and_nothing_per_parameter() -> None:
+    """After each step: one ``_foreach_norm`` and one ``stack`` per (device, dtype) group, no op per
+    parameter (a ``detach`` each was a tenth of the check on the small model)."""
+    from torch_nbdebug.record.nanwatch_optim import norm_groups
+
+    model, _ = small_gpt_step()
+    params = list(model.parameters())
+    with _AllOps() as counted:
+        groups, norms = norm_groups(params)
+    assert counted.ops == {"_foreach_norm": 1, "stack": 1}
+    assert groups == [list(range(len(params)))]
+    expected = torch.stack([p.detach().norm() for p in params])
+    assert torch.allclose(norms[0], expected)
+    wide = params[1].detach().double()
+    with _AllOps() as mixed:
+        groups, norms = norm_groups([params[0], wide])
+    assert mixed.ops == {"_foreach_norm": 2, "stack": 2} and groups == [[0], [1]]
+
+
+def test_a_watched_backward_lists_the_weights_without_module_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default watch checks before each backward that the model's weights are those of its forward:
+    listed by one loop over the module tree, not ``Module.parameters()`` (a generator chain that cost
+    more than the check)."""
+    model, step = small_gpt_step()
+    step()
+    calls = collections.Counter()
+    listing = nn.Module.parameters
+
+    def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls["parameters"] += 1
+        return listing(self, *args, **kwargs)
+
+    with nanwatch(namespace={"model": model}) as report:
+        step()
+        monkeypatch.setattr(nn.Module, "parameters", counted)
+        for _ in range(2):
+            step()
+        monkeypatch.setattr(nn.Module, "parameters", listing)
+    assert calls["parameters"] == 0
+    assert report.events == () and report.layers
+
+
+def test_the_backward_walk_names_each_node_class_once_and_knows_a_padding_embedding() -> None:
+    """The walk before the engine starts judges a node by its class (``name()`` read once per class);
+    an embedding masks its gradient only with a ``padding_idx``, whichever came first."""
+    from torch_nbdebug.record.nanwatch_backward import _KINDS, BackwardWatch
+
+    weight = torch.randn(5, 3, requires_grad=True)
+    idx = torch.tensor([0, 1, 2])
+    for order in ([None, 0], [0, None]):
+        found = []
+        for padding in order:
+            out = (F.embedding(idx, weight, padding_idx=padding) * 2).relu().sum()
+            absorbers: list = []
+            BackwardWatch._walk_call(out.grad_fn, 0, 2**62, "region", {}, absorbers)
+            found.append(sorted(node.name() for node, _ in absorbers))
+        with_pad = ["EmbeddingBackward0", "ReluBackward0"]
+        assert found == ([["ReluBackward0"], with_pad] if order[0] is None else [with_pad, ["ReluBackward0"]])
+    kinds = {cls.__name__: kind for cls, kind in _KINDS.items()}
+    assert kinds["ReluBackward0"] == 1 and kinds["MulBackward0"] == 0 and kinds["EmbeddingBackward0"] == 2
+
+
+def test_the_module_tree_walk_lists_what_modules_and_parameters_list() -> None:
+    """One loop gives ``modules()`` and ``parameters()`` (each once, in order: shared modules and
+    weights too); a class that lists its modules its own way gets its own listing."""
+    from torch_nbdebug.record.nanwatch_replay import module_tree
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared, nn.Linear(3, 2)), nn.LayerNorm(2))
+    model[3].weight = model[2][1].bias  # a weight shared under two names
+    modules, params = module_tree(model)
+    assert modules == list(model.modules()) and len(modules) == 6
+    assert params == tuple(model.parameters())
+
+    class Listed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def modules(self) -> Any:  # type: ignore[override]
+            return iter([self])
+
+    odd = Listed()
+    assert module_tree(odd) == ([odd], tuple(odd.parameters()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 from typing import Any, Callable, Optional
 
 import pytest
@@ -18,6 +19,8 @@ from torch import nn
 from host_syncs import SmallGPT, counting_host_syncs
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.modules import ModuleNamer, qualified_names
+from torch_nbdebug.record.nanwatch_deferred import _flags, reading_flags
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor, stat_values
 
 _VIEWS = {"detach", "alias", "view", "_unsafe_view"}
@@ -351,3 +354,142 @@ def test_the_exit_hook_is_never_traced_by_dynamo() -> None:
     finally:
         torch._dynamo.reset()
     assert seen == [False, False]
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_models_module_paths_follow_every_change_to_its_tree() -> None:
+    """A child replaced, added, renamed, swapped or removed is named by its new path at the next start."""
+    model = _Two()
+    ns = {"model": model}
+
+    def paths() -> dict[str, nn.Module]:
+        namer = ModuleNamer(ns)
+        return {namer.name(m, "?"): m for m in model.modules()}
+
+    assert paths() == {"model": model, "model.a": model.a, "model.b": model.b}
+    model.a = nn.Linear(2, 2)  # replaced
+    assert paths()["model.a"] is model.a
+    model.a, model.b = model.b, model.a  # swapped: same children, other names
+    assert paths() == {"model": model, "model.a": model.a, "model.b": model.b}
+    model.add_module("c", nn.Sequential(nn.ReLU()))  # added, with a child of its own
+    assert paths()["model.c.0"] is model.c[0]
+    model.c[0] = nn.GELU()  # a grandchild replaced
+    assert paths()["model.c.0"] is model.c[0]
+    del model.c
+    assert "model.c" not in paths() and "model.c.0" not in paths()
+    with nanwatch(mode="module", namespace=ns) as report:
+        model(torch.randn(3, 2))
+    assert [row.module for row in report.layers] == ["model", "model.a", "model.b"]
+
+
+class _ByConfig(nn.Module):
+    """A model class with value equality: two instances of one width compare (and hash) equal."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.fc, self.out = width, nn.Linear(2, width), nn.Linear(width, 1)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _ByConfig and other.width == self.width
+
+    def __hash__(self) -> int:
+        return hash(("_ByConfig", self.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.out(self.fc(x)) - 1e6)  # NaN born in the model
+
+
+@pytest.mark.parametrize("mode", ["op", "module"])
+def test_equal_models_never_share_a_cached_walk(mode: str) -> None:
+    """Modules are told apart by identity: a second model equal to the first (by its class's
+    ``__eq__``) gets its own paths, not the first model's."""
+    teacher, student = _ByConfig(4), _ByConfig(4)
+    assert teacher == student and hash(teacher) == hash(student)
+    assert qualified_names([("teacher", teacher)])[id(teacher.fc)] == "teacher.fc"
+    assert qualified_names([("student", student)])[id(student.fc)] == "student.fc"
+    with nanwatch(mode=mode, namespace={"teacher": teacher, "student": student}) as report:
+        student(torch.ones(1, 2))
+    assert [e.module for e in report.events] == ["student"]
+    assert [row.module for row in report.layers] == ["student", "student.fc", "student.out"]
+
+
+class _Births(nn.Module):
+    """A module output with a NaN, one with +inf, or a NaN gradient into the model's output."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case, self.fc = case, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.case == "nan":
+            return (h.abs() + 1).neg().log()
+        if self.case == "inf":
+            return (h.abs() * 1e30).exp()
+        return h
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "gradient"])
+def test_deferred_module_mode_reports_what_the_immediate_one_reports(case: str) -> None:
+    """The deferred module check judges an output (and the gradient into it) from the layer table's
+    reading of it, not from a second reduction: same births, kinds and modules as reading at once."""
+    torch.manual_seed(0)
+    model, x = _Births(case), torch.randn(3, 4)
+    found = []
+    for defer in (False, True):
+        with nanwatch(mode="module", defer=defer, namespace={"model": model}) as report:
+            y = model(x)
+            (y * 0).sqrt().sum().backward() if case == "gradient" else y.sum().backward()
+        found.append([(e.phase, e.module, e.op, e.kind) for e in report.events])
+    assert found[0] and found[1] == found[0]
+
+
+_SPECIAL = {"nan": [1.0, math.nan], "+inf": [1.0, math.inf], "-inf": [1.0, -math.inf], "both": [math.inf, -math.inf],
+            "huge": [3e38, 3e38], "huge64": [1e308, 1e308], "negative": [-2.0, 1.0], "fine": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(_SPECIAL))
+def test_flags_from_the_tables_reading_are_those_of_the_float64_sum(case: str, dtype: torch.dtype) -> None:
+    """The deferred module check judges an output from its layer reading exactly as the float64 sum
+    of the other deferred checks would: huge finite float64 values overflow it (an event), huge
+    finite values of narrower types do not."""
+    t = torch.tensor(_SPECIAL[case], dtype=torch.float64).to(dtype)
+    (total,) = _flags([t]).tolist()
+    expected = (not math.isfinite(total), total != total)
+    flags = reading_flags(stat_values(t), dtype is torch.float64)
+    assert flags[:2] == expected
+    if flags[0] and not flags[1]:  # an infinity's sign is what the event says
+        assert flags[2] == (total < 0)
+
+
+class _Huge64(nn.Module):
+    """float64 values whose float64 sum overflows (in the output, or in the gradient into it)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case, self.fc = case, nn.Linear(2, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 0 + 1e308 if self.case == "output" else y
+
+
+@pytest.mark.parametrize("case", ["output", "gradient"])
+def test_deferred_module_mode_reports_a_float64_sum_that_overflows(case: str) -> None:
+    found = []
+    for defer in (False, True):
+        model, x = _Huge64(case), torch.ones(3, 2, dtype=torch.float64)
+        with nanwatch(mode="module", defer=defer, namespace={"model": model}) as report:
+            y = model(x)
+            (y * 0.5e308).sum().backward() if case == "gradient" else y.sum().backward()
+        found.append([(e.phase, e.module, e.op, e.kind) for e in report.events])
+    assert found[0] and found[1] == found[0]

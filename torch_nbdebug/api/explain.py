@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
-import torch
 
 from torch_nbdebug.data.explain import Diagnosis as DiagnosisData
 from torch_nbdebug.data.explain import FailureFacts, Operand, Recording

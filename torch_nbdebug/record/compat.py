@@ -15,6 +15,7 @@ import re
 import sys
 import types
 import warnings
+import weakref
 from typing import Any, Callable, Collection, Iterable, Iterator, Optional
 
 import torch
@@ -449,9 +450,7 @@ def module_hooks_in(module: Any, own: Collection[int] = ()) -> bool:
     """Whether ``module`` or a submodule has hooks of its own (forward, forward pre, backward), or a
     global module hook is installed other than ``own`` (the caller's handle ids) and this package's:
     running it again would run them again. Reads ``nn.Module``'s private hook dicts (no public accessor)."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return (any(bool(getattr(m, name, None)) for m in module.modules() for name in names)
-            or bool(global_module_hook_ids("torch_nbdebug") - set(own)))
+    return hooks_in_modules(module.modules(), own)
 
 
 def global_module_hook_ids(skip_package: str = "") -> set[int]:
@@ -556,3 +555,27 @@ def embedding_pads(node: Any) -> bool:
         return 0 <= int(node._saved_padding_idx) < 2**63
     except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - another torch: assume so
         return True
+
+
+def hooks_in_modules(modules: Iterable[Any], own: Collection[int] = ()) -> bool:
+    """:func:`module_hooks_in` over modules the caller has listed already (one walk of the module tree
+    serves several checks): whether one of ``modules`` has hooks of its own, or a global module hook
+    other than ``own`` and this package's is installed."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return (any(bool(getattr(m, name, None)) for m in modules for name in names)
+            or bool(global_module_hook_ids("torch_nbdebug") - set(own)))
+
+
+def register_global_forward_hook(hook: Callable[..., Any], *, with_kwargs: bool = False,
+                                 always_call: bool = False) -> Any:
+    """``torch.nn.modules.module.register_module_forward_hook`` whose handle, once removed, leaves
+    nothing behind. Torch's own handle forgets the ``with_kwargs`` flag of a removed hook, so
+    ``_has_any_global_hook()`` stays true and every later ``torch.compile(module)`` call warns of global
+    hooks that are long gone."""
+    from torch.nn.modules import module as modules
+
+    handle = modules.register_module_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call)
+    flags = getattr(modules, "_global_forward_hooks_with_kwargs", None)
+    if with_kwargs and isinstance(flags, dict):
+        handle.extra_dict_ref = (*handle.extra_dict_ref, weakref.ref(flags))
+    return handle

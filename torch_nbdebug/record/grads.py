@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, FIELDS, GradTrace, LayerInfo, ParamInfo
+from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace, LayerInfo, ParamInfo
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.grads_stats import (
     LastJob, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
@@ -49,8 +49,11 @@ _MAX_KEPT = 1 << 24  # sample elements held on the device between host copies, e
 _CPU_CHUNK = 1 << 18  # sample elements reduced (and rows allocated) together on a CPU (1 MB of float32: in cache)
 
 
-def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None
-              ) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter], tuple[LayerInfo, ...], tuple[ParamInfo, ...], str]:
+# What layers_of finds: the modules owning parameters, the parameters, their layers and infos, the order's kind.
+Layers = tuple[list[tuple[str, nn.Module]], list[nn.Parameter], tuple[LayerInfo, ...], tuple[ParamInfo, ...], str]
+
+
+def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None) -> Layers:
     """Modules owning parameters directly, in ``order`` (sub-names) then registration order.
 
     A parameter shared by two modules (tied embeddings) belongs to the first module that lists it.
@@ -76,11 +79,16 @@ def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = No
             seen.add(id(p))
             indices.append(len(params))
             params.append(p)
-            infos.append(ParamInfo(f"{path}.{pn}", len(layers), tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                                   p.numel(), p.requires_grad))
+            infos.append(param_info(f"{path}.{pn}", len(layers), p))
         layers.append(LayerInfo(path, type(module).__name__, tuple(indices)))
         live.append((sub, module))
     return live, params, tuple(layers), tuple(infos), "forward" if order else "registration"
+
+
+def param_info(name: str, layer: int, param: nn.Parameter) -> ParamInfo:
+    """What the trace keeps of a parameter as it is now: shape, dtype and trainability."""
+    return ParamInfo(name, layer, tuple(param.shape), str(param.dtype).replace("torch.", ""), param.numel(),
+                     param.requires_grad)
 
 
 def remember_order(model: nn.Module, order: tuple[str, ...]) -> None:
@@ -122,7 +130,9 @@ class GradRecorder:
 
     # -- install / remove ---------------------------------------------------------------
     def __enter__(self) -> "GradRecorder":
-        self._live, self._params, self._layers, self._infos, self._order_kind = layers_of(self.model, self.name)
+        self._enter_order = _FORWARD_ORDER.get(self.model)
+        self._live, self._params, self._layers, self._infos, self._order_kind = \
+            layers_of(self.model, self.name, self._enter_order)
         self._sampler = Sampler(self._params, self.sample)
         self._ids = {id(p) for p in self._params}
         try:
@@ -266,7 +276,7 @@ class GradRecorder:
         if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
         with torch.no_grad():
-            row = sampled_rows(self._params, present, self._sampler, self._chunks.row_for)
+            row = sampled_rows(self._params, layout, self._sampler, *self._chunks.row_for(layout))
             row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
                 dev = row["layout"].device
@@ -348,15 +358,14 @@ class GradRecorder:
             self._release()
 
     def _trace(self, last: Optional[tuple[LastJob, list[int], list[int]]]) -> GradTrace:
-        live, params, layers, infos, order = layers_of(self.model, self.name, tuple(self._order) or None)
+        live, params, layers, infos, order = self._final_layers()
         # The kept steps and the exact last step's first reductions share one host copy.
         first = self._flush(next(last[0]) if last is not None else (), final=True)
         old = {id(p): i for i, p in enumerate(self._params)}
         perm = [old[id(p)] for p in params]
         lperm = [[s for s, _ in self._live].index(sub) for sub, _ in live]
         exact = np.tile(self._sampler.exact[perm], (len(self._host), 1))
-        stats = np.stack([self._host_stats(h["raw"])[perm] for h in self._host]) if self._host else \
-            np.zeros((0, len(params), len(FIELDS)))
+        stats = raw_to_stats([h["raw"] for h in self._host], self._sampler.numel, perm)
         kept = [i for i, h in enumerate(self._host) if "hist" in h]
         hist = np.stack([self._host[i]["hist"][perm] for i in kept]) if kept else np.zeros((0, len(params), self.bins))
         rng = np.stack([self._host[i]["range"][perm] for i in kept]) if kept else np.zeros((0, len(params), 2))
@@ -387,6 +396,16 @@ class GradRecorder:
                          hist, rng, step_kind=kind, order=order, sample=self.sample, activations=acts,
                          notes=tuple(notes))
 
+    def _final_layers(self) -> Layers:
+        """:func:`layers_of` in the forward order this recording saw. When that order is the one the
+        layers of ``__enter__`` were sorted by (a model recorded again), the same walk gives the same
+        layers: only the parameters' infos are read again (frozen, reshaped or cast while recording)."""
+        order = tuple(self._order) or _FORWARD_ORDER.get(self.model)
+        if order != self._enter_order:
+            return layers_of(self.model, self.name, order)
+        infos = tuple(param_info(info.name, info.layer, p) for info, p in zip(self._infos, self._params))
+        return self._live, self._params, self._layers, infos, self._order_kind
+
     def _exact_last_job(self) -> Optional[tuple[LastJob, list[int], list[int]]]:
         """The job making the last step exact when its gradients are still there (``exact_last``), with
         the recorder's indices of its sampled parameters and of those taken whole. The whole ones are
@@ -404,10 +423,6 @@ class GradRecorder:
         job = sampled_exact_job([self._params[i].grad for i in big], known, [self._params[i].grad for i in whole],
                                 self.bins)
         return job, big, whole
-
-    def _host_stats(self, raw: np.ndarray) -> np.ndarray:
-        present = [int(i) for i in np.flatnonzero(raw[:, -1] == 1)]
-        return raw_to_stats(raw[present, :-1], self._infos, present, len(self._params))
 
     def _last_still_there(self) -> bool:
         """True when the last step's gradients are still the params' .grad, unmodified since."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Generator, Optional, ParamSpec, TypeVar
+from typing import Any, Callable, Generator, Optional, ParamSpec, Sequence, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from torch_nbdebug.data.grads import FIELD, FIELDS, ParamInfo
+from torch_nbdebug.data.grads import FIELD, FIELDS
+from torch_nbdebug.record.grads_cpu import binned, unit_sums
 from torch_nbdebug.record.grads_steps import COL, RAW, float_norms, reduce_rows
 
 _LARGE = 1 << 20  # elements from which a gradient's non-zeros are counted by count_nonzero
@@ -56,10 +57,8 @@ def redo_dirty(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.nda
     todo = [(g, a, rows) for (g, rows), a in zip(redo, arrays) if rows]
     if not todo:
         return
-    # Their update ratios stand (they do not depend on the gradient; the weights' samples are spent).
-    without_step = [[{k: v for k, v in g[i].items() if k != "after"} for i in rows] for g, _, rows in todo]
-    with torch.no_grad():
-        fixed = [reduce_rows(rows, bins) for rows in without_step]
+    with torch.no_grad():  # their update ratios stand (they do not depend on the gradient)
+        fixed = [reduce_rows([g[i] for i in rows], bins, ratios=False) for g, _, rows in todo]
     host = iter(to_host([t for out in fixed for t in out.values()]))
     for (g, a, rows), out in zip(todo, fixed):
         new = {key: next(host) for key in out}
@@ -145,6 +144,7 @@ def exact_job(params: list[nn.Parameter], bins: int) -> ExactJob:
 LastJob = Generator[list[torch.Tensor], list[np.ndarray],
                     tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, list[int], np.ndarray]]
 WHOLE_COLUMNS = ("norm", "nonzero", "sum", "l1", "min", "max")  # what the caller sends of the whole ones
+_WHOLE = {name: i for i, name in enumerate(WHOLE_COLUMNS)}
 
 
 @_without_grad
@@ -168,13 +168,13 @@ def sampled_exact_job(grads: list[torch.Tensor], known: torch.Tensor, whole: lis
     host = yield wanted
     own = host.pop()  # the whole gradients' columns, from the sample
     dead_whole = np.array([g.shape[0] for g in matrices], dtype=np.float64) - host[1]
-    fixed = [j for j in range(len(whole)) if _inexact_moments(own[j], whole[j].numel())]
+    fixed = [int(j) for j in np.flatnonzero(_inexact_moments(own, np.array([g.numel() for g in whole], float)))]
     cols_of = [host[0][:, k] for k in range(4)]  # norm, sum, min, max
     nonzero, dead, l1 = (host[2], _dead_units(grads, host[3]), host[4]) if grads else (np.zeros(0),) * 3
-    fix = own[fixed]
+    fix = {name: own[fixed, i] for name, i in _WHOLE.items()}
     columns = [np.concatenate(pair) for pair in (
-        (cols_of[0], fix[:, 0]), (nonzero, fix[:, 1]), (dead, np.full(len(fixed), np.nan)), (cols_of[1], fix[:, 2]),
-        (l1, fix[:, 3]), (cols_of[2], fix[:, 4]), (cols_of[3], fix[:, 5]))]
+        (cols_of[0], fix["norm"]), (nonzero, fix["nonzero"]), (dead, np.full(len(fixed), np.nan)),
+        (cols_of[1], fix["sum"]), (l1, fix["l1"]), (cols_of[2], fix["min"]), (cols_of[3], fix["max"]))]
     redo = grads + [whole[j] for j in fixed]
     if not redo:
         return {}, np.zeros((0, bins)), np.zeros((0, 2)), fixed, dead_whole
@@ -182,23 +182,21 @@ def sampled_exact_job(grads: list[torch.Tensor], known: torch.Tensor, whole: lis
     return cols, counts, rng, fixed, dead_whole
 
 
-def _inexact_moments(columns: np.ndarray, numel: int) -> bool:
-    """Whether the sample's mean and std of a whole gradient differ from the exact path's: it holds a
-    NaN or an Inf (the exact path takes them over the finite values), or it is nearly constant (the
-    exact path takes the variance in float64: see :func:`_exact_columns`)."""
-    norm, total = columns[0], columns[2]
-    if not (np.isfinite(norm) and np.isfinite(total)):
-        return True
-    mean, var = _moments(np.array([norm]), np.array([total]), np.array([float(numel)]))
-    return numel > 1 and bool(var[0] <= 1e-4 * mean[0] ** 2)
+def _inexact_moments(columns: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Whether the sample's mean and std of each whole gradient (its :data:`WHOLE_COLUMNS`, a row of
+    ``columns``) differ from the exact path's: it holds a NaN or an Inf (the exact path takes them over
+    the finite values), or it is nearly constant (the exact path takes the variance in float64: see
+    :func:`_exact_columns`)."""
+    norm, total = columns[:, _WHOLE["norm"]], columns[:, _WHOLE["sum"]]
+    finite = np.isfinite(norm) & np.isfinite(total)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return ~finite | _nearly_constant(numel, *_moments(norm, total, numel))
 
 
 def _unit_columns(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """|g| summed per unit (dim 0) of each gradient with units (a vector: its own |g|), and the number
     of live units of those with units. A unit is dead when its sum is 0 (NaN and Inf units are not)."""
-    units = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 1, dim=1,
-                                      dtype=None if g.dtype == torch.float64 else torch.float32) if g.dim() >= 2
-             else g for g in grads]
+    units = [unit_sums(g) if g.dim() >= 2 else g for g in grads]
     matrices = [u for u, g in zip(units, grads) if g.dim() >= 2]
     # one batched "0-norm" counts the live units (see _dead_units)
     live = torch.stack(float_norms(matrices, 0)) if matrices else grads[0].new_zeros(0, dtype=torch.float32)
@@ -248,20 +246,20 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
     """Columns and histograms from the first copy. A finite norm proves every element finite, so only
     gradients with a NaN/Inf (or an overflowing norm) pay for the masked reductions; the histograms of
     the others, the masked reductions and the float64 variances come back in one copy, and the
-    histograms of the non-finite ones (whose ranges that copy gives) in one more."""
+    histograms of the non-finite ones (whose ranges that copy gives) in one more, with those of the
+    finite ones found to hold elements outside their range (rare, see :func:`grads_cpu.binned`)."""
     numel = np.array([g.numel() for g in grads], float)
     cols = {k: np.full(len(grads), np.nan) for k in ("mean", "std", "min", "max", "max_abs", "mean_abs")}
     cols.update(norm=norms, zeros=numel - nonzero, dead_units=dead, nan=np.zeros(len(grads)), inf=np.zeros(len(grads)))
     finite = np.isfinite(norms)
     clean, dirty = np.flatnonzero(finite), np.flatnonzero(~finite)
     mean, var = _moments(norms[clean], total[clean], numel[clean])
-    # Nearly constant gradients cancel in norm² - n·mean²: recompute those few in float64.
-    redo = [j for j in range(len(clean)) if numel[clean[j]] > 1 and var[j] <= 1e-4 * mean[j] ** 2]
+    redo = [int(j) for j in np.flatnonzero(_nearly_constant(numel[clean], mean, var))]
     wanted = [torch.stack([torch.var(grads[clean[j]].double()) for j in redo])] if redo else []
     if len(dirty):
         wanted += _masked_columns([grads[i] for i in dirty])
     counts, rng = np.zeros((len(grads), bins)), np.full((len(grads), 2), np.nan)
-    rows, hists = _histograms(grads, clean, lo, hi, bins, rng)
+    rows, hists = _histograms(grads, clean, lo, hi, bins, rng, within=True)
     host = (yield wanted + hists) if wanted or hists else []
     if hists:
         counts[rows] = host.pop()
@@ -272,15 +270,22 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
         n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var = host
         cols["nan"][dirty], cols["inf"][dirty] = n_nan, n_inf
         _set(cols, dirty, d_total / np.maximum(n, 1), d_var, d_lo, d_hi, d_l1 / np.maximum(n, 1), n)
-        rows, hists = _histograms(grads, dirty, cols["min"], cols["max"], bins, rng)
-        if hists:
-            (counts[rows],) = yield hists
+    outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows _binned could not count: histc's
+    rows, hists = _histograms(grads, outside + list(dirty), cols["min"], cols["max"], bins, rng)
+    if hists:
+        (counts[rows],) = yield hists
     return cols, counts, rng
 
 
 def _moments(norms: np.ndarray, total: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean = total / np.maximum(n, 1)
     return mean, np.maximum(norms ** 2 - n * mean ** 2, 0) / np.maximum(n - 1, 1)
+
+
+def _nearly_constant(n: np.ndarray, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """Gradients of ``n`` elements whose variance from :func:`_moments` is not to be trusted: nearly
+    constant ones cancel in norm² - n·mean², so their variance is taken again in float64."""
+    return (n > 1) & (var <= 1e-4 * mean ** 2)
 
 
 def _masked_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -308,14 +313,20 @@ def _set(cols: dict[str, np.ndarray], rows: Any, mean: np.ndarray, var: np.ndarr
 
 
 def _histograms(grads: list[torch.Tensor], candidates: Any, lo: np.ndarray, hi: np.ndarray, bins: int,
-                rng: np.ndarray) -> tuple[list[int], list[torch.Tensor]]:
+                rng: np.ndarray, within: bool = False) -> tuple[list[int], list[torch.Tensor]]:
     """The rows among ``candidates`` with a finite element, and their histograms over [lo, hi] (set in
-    ``rng``) as one device tensor in a list (empty when there is no such row)."""
+    ``rng``) as one device tensor in a list (empty when there is no such row). ``within``: [lo, hi]
+    is the range measured of those (finite) gradients: on a CPU :func:`grads_cpu.binned` counts them, NaN rows
+    where an element lies outside after all."""
     rows = [int(i) for i in candidates if not np.isnan(lo[i])]
     for i in rows:
         rng[i] = _widen(float(lo[i]), float(hi[i]))
+    if not rows:
+        return rows, []
+    if within and all(grads[i].device.type == "cpu" for i in rows):
+        return rows, [binned([grads[i] for i in rows], bins, rng[rows])]
     # histc skips NaN and values outside [a, b] (the infinities), and puts b in the last bin.
-    return rows, [torch.stack([torch.histc(grads[i].float().reshape(-1), bins, *rng[i]) for i in rows])] if rows else []
+    return rows, [torch.stack([torch.histc(grads[i].float().reshape(-1), bins, *rng[i]) for i in rows])]
 
 
 def _widen(lo: float, hi: float) -> tuple[float, float]:
@@ -329,28 +340,43 @@ def _widen(lo: float, hi: float) -> tuple[float, float]:
 def whole_columns(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
     """The :data:`WHOLE_COLUMNS` of parameters taken whole, from their sampled ``raw`` rows (RAW order)."""
     finite = numel * (1 - raw[:, COL["nan"]] - raw[:, COL["inf"]])
-    return np.stack([raw[:, COL["norm"]], numel - np.round(raw[:, COL["zeros"]] * numel), raw[:, COL["sum"]],
-                     raw[:, COL["mean_abs"]] * finite, raw[:, COL["min"]], raw[:, COL["max"]]], 1)
+    columns = {"norm": raw[:, COL["norm"]], "nonzero": numel - np.round(raw[:, COL["zeros"]] * numel),
+               "sum": raw[:, COL["sum"]], "l1": raw[:, COL["mean_abs"]] * finite, "min": raw[:, COL["min"]],
+               "max": raw[:, COL["max"]]}
+    return np.stack([columns[name] for name in WHOLE_COLUMNS], 1)
 
 
-def raw_to_stats(raw: np.ndarray, infos: tuple[ParamInfo, ...], present: list[int], n_params: int) -> np.ndarray:
-    """Host side of :func:`sampled_rows`: fractions to counts, norm and sum to mean and std."""
-    stats = np.full((n_params, len(FIELDS)), np.nan)
-    stats[:, FIELD["has_grad"]] = 0
-    if not present:
-        return stats
-    r = {name: raw[:, i].astype(np.float64) for i, name in enumerate(RAW)}
-    numel = np.array([infos[i].numel for i in present], dtype=np.float64)
+_STATS_CHUNK = 1 << 16  # (step, parameter) rows turned into stats together: temporaries of about 25 MB
+
+
+def raw_to_stats(raws: Sequence[np.ndarray], numel: np.ndarray, order: Sequence[int]) -> np.ndarray:
+    """Host side of :func:`sampled_rows`: the stats ``[S, len(order), len(FIELDS)]`` of steps' ``raw``
+    rows ``[P, len(RAW) + 1]`` (the last column: 1 where the parameter had a gradient), parameters in
+    ``order``. Vectorised over a chunk of steps at a time: host memory of the result and one chunk."""
+    stats = np.empty((len(raws), len(order), len(FIELDS)))
+    step = max(1, _STATS_CHUNK // max(len(numel), 1))
+    for start in range(0, len(raws), step):
+        stats[start:start + step] = _step_stats(np.stack(raws[start:start + step])[:, order], numel[order])
+    return stats
+
+
+def _step_stats(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """:func:`raw_to_stats` of ``raw`` [S, P, len(RAW) + 1], ``numel`` [P]: fractions to counts, norm
+    and sum to mean and std (NaN and has_grad 0 where there was no gradient)."""
+    stats = np.full((*raw.shape[:2], len(FIELDS)), np.nan)
+    r = {name: raw[:, :, i].astype(np.float64) for i, name in enumerate(RAW)}
     mean = r["sum"] / numel
     var = np.maximum(r["norm"] ** 2 - numel * mean ** 2, 0) / np.maximum(numel - 1, 1)
-    cols = {"has_grad": 1.0, "norm": r["norm"], "mean": mean, "std": np.sqrt(var), "min": r["min"], "max": r["max"],
+    cols = {"norm": r["norm"], "mean": mean, "std": np.sqrt(var), "min": r["min"], "max": r["max"],
             "max_abs": np.maximum(-r["min"], r["max"]), "mean_abs": r["mean_abs"], "zeros": np.round(r["zeros"] * numel),
             "param_norm": r["param_norm"], "update_ratio": r["update_ratio"],
             # A NaN norm or sum proves a NaN exists even when the sample missed it.
             "nan": np.maximum(np.round(r["nan"] * numel), np.isnan(r["norm"]) | np.isnan(r["sum"])),
             "inf": np.maximum(np.round(r["inf"] * numel), np.isinf(r["min"]) | np.isinf(r["max"]))}
+    has = raw[:, :, -1] == 1
     for key, values in cols.items():
-        stats[present, FIELD[key]] = values
+        stats[:, :, FIELD[key]] = np.where(has, values, np.nan)
+    stats[:, :, FIELD["has_grad"]] = has
     return stats
 
 

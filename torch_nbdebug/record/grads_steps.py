@@ -9,7 +9,7 @@ A handful of op calls whatever the number of parameters, and no host synchronisa
 :func:`reduce_rows` turns many captured steps into statistics at once, when the recorder flushes
 (every ``_FLUSH`` steps, when the kept samples reach their memory bound, or at the end): counts,
 sums and ranges per parameter are reductions along the rows of each block, over all steps'
-samples together, and the histograms one ``index_add_`` per block for every parameter of every
+samples together, and the histograms one count (:func:`_count`) per block for every parameter of every
 step. The results are the numbers a per-step, per-parameter path gives (counts exact, sums
 pairwise in float32, as the exact path takes them), so the views keep their precision; what moved
 is when, and how many Python calls and passes over memory it takes.
@@ -67,8 +67,14 @@ class Bucket:
             if len(self.offsets) >= 4:  # a few sizes kept: the number of steps per flush rarely changes
                 self.offsets.clear()
             n = len(self.positions)
-            self.offsets[rows] = (torch.arange(rows * n, device=self.fill.device) * bins).view(rows, n, 1)
+            # int32 (see _count) while every slot's number fits in it
+            dtype = torch.int32 if rows * n * bins < _INT32_SLOTS else torch.int64
+            first = torch.arange(rows * n, dtype=dtype, device=self.fill.device)
+            self.offsets[rows] = (first * bins).view(rows, n, 1)
         return self.offsets[rows]
+
+
+_INT32_SLOTS = 1 << 31  # histogram slots of a block numbered in int32 below this, in int64 from it
 
 
 _MIN_WIDTH = 256  # narrower samples share one bucket: a few wasted elements cost less than more ops
@@ -300,16 +306,14 @@ def stacked(rows: list[dict[str, Any]], key: str) -> torch.Tensor:
     return torch.stack([r[key] for r in rows])
 
 
-def sampled_rows(params: list[torch.nn.Parameter], present: tuple[int, ...], sampler: Sampler,
-                 rows: Callable[[Layout], tuple[Chunk, int]]) -> dict[str, Any]:
-    """Capture one step on the device, no host synchronisation: see the module docstring. ``rows``
-    gives the chunk and row its sample is written into. Called under ``no_grad``, as
-    :meth:`Sampler.gather`."""
-    grads = [params[i].grad for i in present]
-    layout = sampler.layout(present, grads[0].device)
-    chunk, slot = rows(layout)
+def sampled_rows(params: list[torch.nn.Parameter], layout: Layout, sampler: Sampler,
+                 chunk: Chunk, slot: int) -> dict[str, Any]:
+    """Capture one step on the device, no host synchronisation: see the module docstring. The
+    gradients of ``layout.present``, sampled into row ``slot`` of ``chunk``. Called under ``no_grad``,
+    as :meth:`Sampler.gather`."""
+    grads = [params[i].grad for i in layout.present]
     # Gradient and parameter norms in one batched call (one kernel launch on a GPU).
-    norms = torch.stack(float_norms(grads + [params[i] for i in present])).to(layout.device)
+    norms = torch.stack(float_norms(grads + [params[i] for i in layout.present])).to(layout.device)
     captured: dict[str, Any] = {"layout": layout, "chunk": chunk, "slot": slot,
                                 "x": sampler.gather(grads, layout, chunk.x[slot]),
                                 "norm": norms[:layout.n], "param_norm": norms[layout.n:]}
@@ -323,13 +327,15 @@ def sampled_rows(params: list[torch.nn.Parameter], present: tuple[int, ...], sam
     return captured
 
 
-def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = False) -> dict[str, torch.Tensor]:
+def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = False,
+                ratios: bool = True) -> dict[str, torch.Tensor]:
     """Statistics of captured steps sharing one layout: ``raw`` [S, n, len(RAW)] and, for the rows
     with ``want_hist``, ``hist`` [H, n, bins] (estimates of whole-tensor counts) and ``range`` [H, n, 2].
 
     ``finite``: take every sample as finite (a third of the passes, see :func:`_finite_sums`) and
     add ``dirty`` [S] (1 for a row that holds a NaN or an Inf after all): the caller reduces those
-    rows again without ``finite``, their numbers here being wrong."""
+    rows again without ``finite``, their numbers here being wrong. ``ratios=False``: no update ratios
+    (NaN), for rows whose ratios are known already (and whose weights' samples are spent)."""
     layout: Layout = rows[0]["layout"]
     x = stacked(rows, "x")  # [S, size]: the blocks of every step
     blocks = [(_finite_sums if finite else _block_sums)(b.block(x), b.fill) for b in layout.buckets]
@@ -342,7 +348,7 @@ def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = 
     raw = torch.stack([torch.stack([r["norm"] for r in rows]).double(), total, lowest, highest,
                        abs_sum / n_finite.clamp(min=1), zeros / layout.k, n_nan / layout.k,
                        (n_pos + n_neg) / layout.k, torch.stack([r["param_norm"] for r in rows]).double(),
-                       _update_ratios(rows, layout)], 2)
+                       _update_ratios(rows, layout) if ratios else _no_ratios(len(rows), layout)], 2)
     if layout.big:  # sum, min and max of sampled parameters were taken exactly at the step
         big = torch.stack([r["big"] for r in rows]).double()  # [S, B, 3]
         raw[:, layout.big_index, COL["sum"]:COL["max"] + 1] = big
@@ -390,13 +396,17 @@ def _finite_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums + [zero, zero, zero, x.sum(-1, dtype=wide).float()] + ends, 2)
 
 
+def _no_ratios(steps: int, layout: Layout) -> torch.Tensor:
+    """NaN update ratios ``[steps, n]``: no step taken, or ratios not asked for."""
+    return torch.full((1, layout.n), math.nan, dtype=torch.float64, device=layout.device).expand(steps, layout.n)
+
+
 def _update_ratios(rows: list[dict[str, Any]], layout: Layout) -> torch.Tensor:
     """‖Δw‖/‖w‖ per parameter from the samples of w before and after the step (NaN without a step)."""
-    s, n = len(rows), layout.n
     stepped = [r for r in rows if "after" in r]
-    none = torch.full((n,), math.nan, dtype=torch.float64, device=layout.device)
     if not stepped:
-        return none.expand(s, n)
+        return _no_ratios(len(rows), layout)
+    none = _no_ratios(1, layout)[0]
     # [T, size]; padding 0 in both; written in place: the chunk's rows (or stacked copies) are used once
     before, moved = stacked(stepped, "before"), stacked(stepped, "after")
     moved.sub_(before).square_()
@@ -411,7 +421,7 @@ def _update_ratios(rows: list[dict[str, Any]], layout: Layout) -> torch.Tensor:
 def _histograms(x: torch.Tensor, wanted: list[int], layout: Layout, lo: torch.Tensor,
                 hi: torch.Tensor, n_finite: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One histogram per parameter and wanted step over its sample's own finite range, one
-    ``index_add_`` per block; counts are scaled from the sample to the whole tensor."""
+    count (:func:`_count`) per block; counts are scaled from the sample to the whole tensor."""
     h = len(wanted)
     pick = (lambda t: t) if h == len(x) else (lambda t: torch.stack([t[i] for i in wanted]))  # noqa: E731
     x, lo, hi, valid = pick(x), pick(lo).float(), pick(hi).float(), pick(n_finite) > 0  # [H, size], [H, n]
@@ -437,9 +447,19 @@ def _block_counts(x: torch.Tensor, bucket: Bucket, lo: torch.Tensor, width: torc
     values and the padding (at -inf); no clamp, no mask."""
     h, g = x.shape[0], x.shape[1]
     spread = torch.add(x, bucket.fill).sub_(lo[..., None]).div_(width[..., None]).mul_(bins)  # in place: see _block_sums
-    index = spread.nan_to_num_(bins + 1, bins + 1, bins + 1).floor_().long().add_(bucket.bin_offsets(h, bins + 2)).view(-1)
-    # float32 counts whatever the default dtype (a float16 count stops at 2048), exact below 2**24
-    ones = torch.ones((), dtype=torch.float32, device=x.device).expand(index.shape)
-    counts = torch.zeros(h * g * (bins + 2), dtype=torch.float32, device=x.device).index_add_(0, index, ones)
-    counts = counts.view(h, g, bins + 2)
+    offsets = bucket.bin_offsets(h, bins + 2)
+    index = spread.nan_to_num_(bins + 1, bins + 1, bins + 1).floor_().to(offsets.dtype).add_(offsets).view(-1)
+    counts = _count(index, h * g * (bins + 2)).view(h, g, bins + 2)
     return torch.cat([counts[:, :, :bins - 1], counts[:, :, bins - 1:bins + 1].sum(2, keepdim=True)], 2)
+
+
+def _count(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How many times each of ``size`` slots occurs in ``index`` (every one in range), in float32
+    whatever the default dtype (a float16 count stops at 2048), exact below 2**24. A CPU counts with
+    ``bincount`` (twice as fast as ``index_add_`` there), of int32 indices where they fit (see
+    :meth:`Bucket.bin_offsets`); a GPU with ``index_add_`` (its ``bincount`` reads the largest index
+    on the host first)."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=size).float()
+    ones = torch.ones((), dtype=torch.float32, device=index.device).expand(index.shape)
+    return torch.zeros(size, dtype=torch.float32, device=index.device).index_add_(0, index, ones)

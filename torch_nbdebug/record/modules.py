@@ -10,7 +10,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -208,8 +207,9 @@ def global_hook_counts() -> dict[str, int]:
     from torch.nn.modules import module as m
     from torch.optim import optimizer as o
 
+    # Every ``_global_*`` dict, flags included: torch leaves a removed ``with_kwargs`` hook's flag behind.
     counts = {name: len(getattr(m, name)) for name in dir(m)
-              if name.startswith("_global_") and name.endswith("hooks") and isinstance(getattr(m, name), dict)}
+              if name.startswith("_global_") and isinstance(getattr(m, name), dict)}
     counts.update({name: len(getattr(o, name)) for name in dir(o)
                    if name.startswith("_global_optimizer") and isinstance(getattr(o, name), dict)})
     counts["torch_dispatch_modes"] = compat.dispatch_stack_len()

@@ -17,7 +17,6 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.record import compat
@@ -35,8 +34,8 @@ from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch_replay import (Replayer, plain_arguments, relocate, replay_call, user_line,
-                                                  with_forward)
+from torch_nbdebug.record.nanwatch_replay import (Replayer, parameters_of, plain_arguments, relocate, replay_call,
+                                                  user_line, with_forward)
 from torch_nbdebug.record.nanwatch_storage import StorageRegistry
 
 _get_sequence_nr = compat.next_sequence_nr
@@ -126,8 +125,8 @@ class NanRecorder:
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
         replay = self.options.replay
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
-        self._handles.append(register_module_forward_hook(not_traced(exit_hook), with_kwargs=replay,
-                                                          always_call=replay))
+        self._handles.append(compat.register_global_forward_hook(not_traced(exit_hook), with_kwargs=replay,
+                                                                 always_call=replay))
         self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
                                        outer=self._outer if replay else None,
                                        # (the module of a backward birth in a model: the backward layer replays it)
@@ -305,7 +304,7 @@ class NanRecorder:
                     if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
             for module, call, end, where in calls.calls if todo else []:
                 mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
-                if mine and not call.changed() and not call.params_changed(module) \
+                if mine and not call.changed() and not call.params_changed(parameters_of(module)) \
                         and not compat.module_hooks_in(module, self.own_hook_ids()) \
                         and plain_arguments((call.args, call.kwargs)):
                     places = self._replayed_places(module, call, where)

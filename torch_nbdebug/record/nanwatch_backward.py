@@ -80,6 +80,23 @@ _ABSORBS = frozenset({"ReluBackward0", "ThresholdBackward0", "ThresholdBackward1
                       "SliceScatterBackward0", "SelectScatterBackward0", "DiagonalScatterBackward0",
                       "AsStridedScatterBackward0"})
 
+_EMBEDDING = 2  # an EmbeddingBackward0 node: it masks only with a padding_idx
+# torch's node classes (one per kind of node) -> 0, 1 (masks) or _EMBEDDING: ``name()`` read once per class
+_KINDS: dict[type, int] = {}
+
+
+def _absorbs(node: Any) -> bool:
+    """Whether ``node`` masks its gradient (``_ABSORBS``). The walk reads ``_KINDS`` first: every node
+    of a built-in class (one class per kind, named as the node) is judged by its class."""
+    kind = _KINDS.get(type(node))
+    if kind is None:
+        name = node.name()
+        kind = _EMBEDDING if name == "EmbeddingBackward0" else int(name in _ABSORBS)
+        cls = type(node)
+        if cls.__module__ == "builtins" and name.rpartition("::")[2] == cls.__name__:
+            _KINDS[cls] = kind
+    return kind == 1 or (kind == _EMBEDDING and compat.embedding_pads(node))
+
 
 class BackwardGate(TorchFunctionMode):
     """Passes every torch function through; hands the backward entry points to ``run``."""
@@ -357,11 +374,11 @@ class BackwardWatch:
     def _walk_call(fn: Any, lo: int, hi: int, region: Any, seen: dict[int, Any], absorbers: list[Any]) -> None:
         """The nodes of a model call (sequence numbers in ``[lo, hi)``) from ``fn``: its masking nodes
         (``_ABSORBS``) with their region, for a pre hook each."""
-        sequence_nr, stack = compat.node_sequence_nr, [fn]
+        sequence_nr, stack, kinds = compat.node_sequence_nr, [fn], _KINDS
         while stack:
             node = stack.pop()
-            name = node.name()
-            if name in _ABSORBS and (name != "EmbeddingBackward0" or compat.embedding_pads(node)):
+            kind = kinds.get(type(node))  # (most nodes: a known class that does not mask, no call)
+            if (kind is None or kind) and _absorbs(node):
                 absorbers.append((node, region))
             for f, _ in node.next_functions:
                 if f is not None and id(f) not in seen and lo <= sequence_nr(f) < hi:

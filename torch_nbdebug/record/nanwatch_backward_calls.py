@@ -24,8 +24,8 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_events import stats_of
 from torch_nbdebug.record.nanwatch_modules import float_leaves
 from torch_nbdebug.record.nanwatch_optim import norm_groups
-from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, plain_arguments, replay_context,
-                                                  user_line)
+from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, module_tree, plain_arguments,
+                                                  replay_context, user_line)
 
 _STRIDED = torch.strided
 _MAX_REGIONS = 8  # model calls waiting for their backward (two forwards, then one backward)
@@ -120,8 +120,6 @@ class CallChecks:
         self._reproduced = False  # the last replay's gradients were non-finite too
         self._params: dict[int, tuple[torch.nn.Module, list[torch.Tensor]]] = {}
         self._fresh: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []  # the last replay's gradients
-        self._bad_grads: set[int] = set()  # ids of the parameters whose .grad was non-finite at the last check
-        self._now_bad: Optional[set[int]] = None  # the same, found by the running check
         self._finite_before: set[int] = set()  # ids of the parameters whose .grad was finite as the backward began
         # the model calls dropped while waiting for their backward (more than _MAX_REGIONS): (seq, end, path, line)
         self.dropped: list[tuple[int, int, str, Any]] = []
@@ -204,21 +202,16 @@ class CallChecks:
             for region in active:
                 region.reset()
                 region.checked = True
-            if self._now_bad is not None:
-                self._bad_grads, self._now_bad = self._now_bad, None
 
     def _bad_weights(self, regions: list[Region]) -> list[Region]:
         """The calls whose parameters' ``.grad`` is non-finite: one batched norm, one read."""
         grads: list[torch.Tensor] = []
         owner: list[int] = []
-        params: list[torch.Tensor] = []
         for i, region in enumerate(regions):
-            for p in self._call_parameters(region):
-                g = p.grad
-                if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED and g.is_floating_point():
+            for _, g in _dense_grads(self._call_parameters(region)):
+                if g.is_floating_point():
                     grads.append(g)
                     owner.append(i)
-                    params.append(p)
         if not grads:
             return []
         with torch.no_grad():
@@ -226,7 +219,6 @@ class CallChecks:
             if all(g.dtype == first.dtype and g.device == first.device for g in grads):
                 norms = torch.stack(compat.foreach_norm(grads))
                 if math.isfinite(float(norms.sum())):  # the one read of a finite step
-                    self._now_bad = set()
                     return []
                 values = norms.tolist()
             else:
@@ -237,7 +229,6 @@ class CallChecks:
                     for j, k in enumerate(idx):
                         values[k] = read[start + j]
         bad = {owner[k] for k, v in enumerate(values) if not math.isfinite(v)}
-        self._now_bad = {id(p) for p, v in zip(params, values) if not math.isfinite(v)}
         return [regions[i] for i in sorted(bad)]
 
     def _parameters(self, module: torch.nn.Module) -> list[torch.Tensor]:
@@ -257,13 +248,14 @@ class CallChecks:
         """Why the call cannot be replayed exactly ("" when it can); asked before its backward starts
         (then that backward runs watched) and again after it. ``forward``: only the reasons that keep its
         forward from being replayed too (``Recorder.name_backward_births`` refuses the same)."""
-        call, module = region.call, region.module
+        call = region.call
+        modules, parameters = module_tree(region.module)  # (one walk for the weights and the hooks)
         reason = ("its arguments were changed in place" if call.changed()
-                  else "its weights were changed since the call" if call.params_changed(module)
+                  else "its weights were changed since the call" if call.params_changed(parameters)
                   else "an argument is an object the call may update (a cache)"
                   if not plain_arguments((call.args, call.kwargs))
                   else "it has hooks of its own (or a global module hook is installed), which a replay would run again"
-                  if compat.module_hooks_in(module, self.host.own_hook_ids())
+                  if compat.hooks_in_modules(modules, self.host.own_hook_ids())
                   else "")
         if reason or forward:
             return reason
@@ -275,13 +267,13 @@ class CallChecks:
     def grads_before(self, regions: list[Region]) -> None:
         """As the backward starts: which parameters of ``regions`` hold a finite ``.grad`` (only those can
         overflow in this backward's accumulation; one batched norm, read when a ``.grad`` exists)."""
-        params = [p for r in regions for p in self._call_parameters(r)
-                  if p.grad is not None and type(p.grad) is torch.Tensor and p.grad.layout == _STRIDED]
+        pairs = [pair for r in regions for pair in _dense_grads(self._call_parameters(r))]
         self._finite_before = set()
-        if not params:
+        if not pairs:
             return
+        params = [p for p, _ in pairs]
         with torch.no_grad():
-            groups, stacked = norm_groups([p.grad for p in params])
+            groups, stacked = norm_groups([g for _, g in pairs])
             read = [v for n in stacked for v in n.tolist()]
         for idx, start in _offsets(groups):
             self._finite_before.update(id(params[k]) for j, k in enumerate(idx) if math.isfinite(read[start + j]))
@@ -479,6 +471,16 @@ def _roots(pairs: list[tuple[torch.Tensor, Any]], start: int) -> list[tuple[torc
             reached[id(fn)] = fn
             stack += [f for f, _ in fn.next_functions]
     return [(t, g) for t, g in pairs if t.grad_fn is None or id(t.grad_fn) not in reached]
+
+
+def _dense_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, its ``.grad``) where the ``.grad`` is a plain strided tensor (each ``.grad`` read once)."""
+    pairs = []
+    for p in params:
+        g = p.grad
+        if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED:
+            pairs.append((p, g))
+    return pairs
 
 
 def _offsets(groups: list[list[int]]) -> list[tuple[list[int], int]]:

@@ -26,6 +26,7 @@ from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, V
                                                   judge_gradient, judge_module)
 from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
+from torch_nbdebug.record.nanwatch_layers import Later
 from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
 from torch_nbdebug.record.tensors import storage_key
 
@@ -47,6 +48,7 @@ class Pending(NamedTuple):
     iteration: int
     extra: Any = None  # ops: (node key, producer of input 0, in place); module: the module; absorb: written;
     # optim: the function that judges the step's norms
+    reading: Optional[Later] = None  # module, grad: the layer table's reading of the output (see reading_flags)
 
 
 class DeferredChecks:
@@ -94,16 +96,19 @@ class DeferredChecks:
         self._push(Pending("absorb", _flags(outs + inputs), len(outs), (), (), keys + out_keys, (), None, 0,
                            tuple(k in out_keys for k in keys)))
 
-    def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
-        """Module mode: queue a module's output (its inputs count as external: no op-level tracking)."""
+    def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, reading: Later) -> None:
+        """Module mode: queue a module's output (its inputs count as external: no op-level tracking).
+        The output's flag is the layer table's ``reading`` of it (no second reduction); its inputs are summed."""
         inputs = ops.float_inputs(args, {})
         site = Site("forward", f"{type(module).__name__} (module output)", here(path, None))
-        self._push(Pending("module", _flags([t] + inputs), 1, _shapes([t]), _shapes(inputs), (), (), site,
-                           self.ctx.clock.iteration, module))
+        self._push(Pending("module", _flags(inputs) if inputs else None, 1, _shapes([t]), _shapes(inputs), (), (),
+                           site, self.ctx.clock.iteration, module, reading))
 
-    def queue_grad(self, path: str, grad: torch.Tensor) -> None:
+    def queue_grad(self, path: str, grad: torch.Tensor, reading: Later) -> None:
+        """Module mode: queue the gradient into a module's output, flagged by the layer table's ``reading`` of it."""
         site = Site("backward", f"gradient into {path}", Place(None, path, None, None, "<module>"))
-        self._push(Pending("grad", _flags([grad]), 1, _shapes([grad]), (), (), (), site, self.ctx.clock.iteration))
+        self._push(Pending("grad", None, 1, _shapes([grad]), (), (), (), site, self.ctx.clock.iteration,
+                           reading=reading))
 
     def queue_step(self, norms: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
         """An optimizer step's parameter (and gradient) norms: ``judge`` gets their values, in order."""
@@ -146,6 +151,9 @@ class DeferredChecks:
                 p.extra(sums)
                 continue
             bad, nan, neg = [not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums]
+            if p.reading is not None:  # the output's flags (first), from the table's reading of it
+                out_bad, out_nan, out_neg = reading_flags(p.reading.values, p.outputs[0].dtype == "float64")
+                bad, nan, neg = [out_bad] + bad, [out_nan] + nan, [out_neg] + neg
             if p.entry == "node":
                 # A gradient no replayed entry wrote (another node's storage) counts as non-finite: keep.
                 self.ctx.log.node_done(p.extra, bad + [self._bad_keys.get(k, True) for k in p.keys])
@@ -229,6 +237,27 @@ class DeferredChecks:
 
 def _shapes(tensors: list[torch.Tensor]) -> tuple[Shape, ...]:
     return tuple(Shape.of(t) for t in tensors)
+
+
+_INF = math.inf
+
+
+def reading_flags(values: Optional[list[float]], float64: bool) -> tuple[bool, bool, bool]:
+    """``bad, nan, negative``, as :func:`_flags`'s float64 sum of a tensor tells them, from the layer
+    table's reading ``[min, max, mean]`` of the same tensor (no second reduction). A float64 tensor's
+    reading sums in float64 too: its mean decides (huge finite values overflow both sums). Finite
+    values of a narrower dtype cannot overflow a float64 sum: the min and max decide, NaN with a NaN
+    or both infinities, else non-finite with one infinity. ``None`` (never read) counts as finite."""
+    if values is None:
+        return False, False, False
+    lo, hi, mean = values
+    if float64:
+        return not math.isfinite(mean), mean != mean, mean < 0
+    if lo != lo or hi != hi or (lo == -_INF and hi == _INF):
+        return True, True, False
+    if hi == _INF:
+        return True, False, False
+    return lo == -_INF, False, lo == -_INF or mean < 0
 
 
 def _flags(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -81,17 +81,35 @@ class _Row:
         self.grad = _Side()
 
 
+class Later:
+    """One deferred reading handed back: its ``[min, max, mean]`` once the flush has read it (None
+    until then). The deferred module-mode check of the same output or gradient judges it from these
+    (nanwatch_deferred); other paths ask for none."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: Optional[list[float]] = None
+
+
+_Waiting = tuple[_Side, int, Optional[Later]]  # a deferred reading: its side, numel, and the Later asked for
+
+
 class _Batch:
-    """Deferred readings stacked into one device tensor: the side and the element count of each row."""
+    """Deferred readings stacked into one device tensor: the side, the element count and the
+    :class:`Later` (if one was asked for) of each reading."""
 
     __slots__ = ("readings",)
 
-    def __init__(self, readings: list[tuple[_Side, int]]) -> None:
+    def __init__(self, readings: list[_Waiting]) -> None:
         self.readings = readings
 
     def apply(self, flat: list[float]) -> None:
-        for i, (side, numel) in enumerate(self.readings):
-            side.take([flat[3 * i], flat[3 * i + 1], flat[3 * i + 2] / numel])
+        for i, (side, numel, later) in enumerate(self.readings):
+            values = [flat[3 * i], flat[3 * i + 1], flat[3 * i + 2] / numel]
+            side.take(values)
+            if later is not None:
+                later.values = values
 
 
 Reading = tuple[_Batch, torch.Tensor]  # deferred readings and their parts stacked into one tensor (3 per reading)
@@ -103,8 +121,8 @@ class LayerRecorder:
     def __init__(self, deferred: bool = False) -> None:
         self.deferred = deferred
         self._rows: dict[str, _Row] = {}
-        # deferred: each reading's side and numel, and its three 0-d parts (see stat_parts), in order made
-        self._waiting: list[tuple[_Side, int]] = []
+        # deferred: each reading's side, numel and Later, and its three 0-d parts (see stat_parts), in order made
+        self._waiting: list[_Waiting] = []
         self._parts: list[torch.Tensor] = []
 
     @property
@@ -122,12 +140,15 @@ class LayerRecorder:
             row = self._rows[path] = _Row()
         row.calls += 1
 
-    def forward(self, path: str, t: torch.Tensor) -> Optional[list[float]]:
-        """Record an output; returns ``[min, max, mean]`` now when not deferred (else None)."""
-        return self._record(self._row(path).fwd, t)
+    def forward(self, path: str, t: torch.Tensor, later: Optional[Later] = None) -> Optional[list[float]]:
+        """Record an output; returns ``[min, max, mean]`` now when not deferred (else None: the flush
+        reads it, and hands the values to ``later`` too)."""
+        row = self._rows.get(path)  # (runs at every module exit: the row is usually there)
+        return self._record((row if row is not None else self._row(path)).fwd, t, later)
 
-    def gradient(self, path: str, t: torch.Tensor) -> Optional[list[float]]:
-        return self._record(self._row(path).grad, t)
+    def gradient(self, path: str, t: torch.Tensor, later: Optional[Later] = None) -> Optional[list[float]]:
+        row = self._rows.get(path)
+        return self._record((row if row is not None else self._row(path)).grad, t, later)
 
     def take_forward(self, path: str, values: list[float]) -> None:
         """Record readings already computed for the same tensor (a container's output)."""
@@ -142,10 +163,10 @@ class LayerRecorder:
             row = self._rows[path] = _Row(calls=1)
         return row
 
-    def _record(self, side: _Side, t: torch.Tensor) -> Optional[list[float]]:
+    def _record(self, side: _Side, t: torch.Tensor, later: Optional[Later]) -> Optional[list[float]]:
         if self.deferred:
             self._parts += stat_parts(t)
-            self._waiting.append((side, t.numel()))
+            self._waiting.append((side, t.numel(), later))
             return None
         values = stat_values(t)
         side.take(values)
@@ -161,7 +182,7 @@ class LayerRecorder:
         first = parts[0]
         if all(p.dtype == first.dtype and p.device == first.device for p in parts):
             return [(_Batch(waiting), torch.stack(parts))]
-        groups: dict[tuple[torch.dtype, torch.device], tuple[list[tuple[_Side, int]], list[torch.Tensor]]] = {}
+        groups: dict[tuple[torch.dtype, torch.device], tuple[list[_Waiting], list[torch.Tensor]]] = {}
         for i, reading in enumerate(waiting):
             p = parts[3 * i: 3 * i + 3]
             readings, tensors = groups.setdefault((p[0].dtype, p[0].device), ([], []))
@@ -191,19 +212,24 @@ class LayerRecorder:
 
 def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
     fwd, grad = row.fwd.shown(), row.grad.shown()
+    fwd_min, fwd_max, fwd_mean = _nums(fwd)
+    grad_min, grad_max, grad_mean = _nums(grad)
     return LayerStats(
-        module=path, calls=row.calls,
-        fwd_min=_num(fwd, 0), fwd_max=_num(fwd, 1), fwd_mean=_num(fwd, 2),
+        module=path, calls=row.calls, fwd_min=fwd_min, fwd_max=fwd_max, fwd_mean=fwd_mean,
         fwd_finite=None if fwd is None else row.fwd.bad is None,
-        grad_min=_num(grad, 0), grad_max=_num(grad, 1), grad_mean=_num(grad, 2),
+        grad_min=grad_min, grad_max=grad_max, grad_mean=grad_mean,
         grad_finite=None if grad is None else row.grad.bad is None,
         birth=birth,
     )
 
 
-def _num(values: Optional[list[float]], i: int) -> Optional[float]:
+_UNSEEN = (None, None, None)
+
+
+def _nums(values: Optional[list[float]]) -> tuple[Optional[float], ...]:
+    """``[min, max, mean]`` for the table; JSON (the widget's sync) has no NaN/Inf: a non-finite value
+    is None there, and the row's finiteness flag says why."""
     if values is None:
-        return None
-    v = values[i]
-    # JSON (the widget's sync) has no NaN/Inf: keep them as strings-free floats via None + flags.
-    return v if math.isfinite(v) else None
+        return _UNSEEN
+    lo, hi, mean = values
+    return (lo if _isfinite(lo) else None, hi if _isfinite(hi) else None, mean if _isfinite(mean) else None)

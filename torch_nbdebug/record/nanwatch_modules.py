@@ -22,7 +22,7 @@ from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_
 from torch_nbdebug.record.nanwatch_context import WatchContext
 from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
 from torch_nbdebug.record.nanwatch_kept import Kept, KeptReadings
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor
+from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor
 from torch_nbdebug.record.nanwatch_params import carriers
 from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
@@ -60,6 +60,9 @@ class ModuleChecks:
                  depth: Callable[[], int], busy: Callable[[], bool]) -> None:
         self.ctx, self.layers, self.deferred = ctx, layers, deferred
         self._depth, self._busy = depth, busy
+        # (the options are frozen: read once here, not at every module exit)
+        self._module_mode, self._backward = ctx.options.mode == "module", ctx.options.backward
+        self._queue = deferred if self._module_mode else None  # deferred module mode: its checks are queued
         self.thread_id = threading.get_ident()
         self.other_thread = False
         # (weakref, values, hook, version) of the last output: a container returning it unchanged has its numbers
@@ -244,7 +247,7 @@ class ModuleChecks:
             if last[2] is not None:
                 last[2].paths.append(path)
             return
-        if self.ctx.options.mode == "module":  # no dispatch mode runs: our statistics ops need no quieting
+        if self._module_mode:  # no dispatch mode runs: our statistics ops need no quieting
             self._record_exit(path, module, args, t)
         else:
             with self.ctx.quiet():
@@ -253,20 +256,22 @@ class ModuleChecks:
     def _record_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> None:
         """Without replay: the output's statistics now (CPU) or queued on the device (deferred), the
         module-mode check, and the hook that reads the gradient into the output."""
-        ctx = self.ctx
-        values = self.layers.forward(path, t)
-        hook = None
-        if ctx.options.mode == "module":
-            if self.deferred is not None:
-                self.deferred.queue_module(path, module, args, t)
-            elif values is not None and not (math.isfinite(values[0]) and math.isfinite(values[1])
-                                             and math.isfinite(values[2])):
+        queue = self._queue
+        if queue is not None:  # judged from the table's reading of the output, when the flush reads it
+            later = Later()
+            values = self.layers.forward(path, t, later)
+            queue.queue_module(path, module, args, t, later)
+        else:
+            values = self.layers.forward(path, t)
+            if self._module_mode and _non_finite(values):
                 self._module_birth(path, module, args, t)
-        if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
+        hook = None
+        if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
-            ctx.keep_handle(t.register_hook(hook))
+            self.ctx.keep_handle(t.register_hook(hook))
         self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
-        self._bound_backlog()
+        if values is None:  # deferred: nothing was read
+            self._bound_backlog()
 
     def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any,
                    others: list[torch.Tensor]) -> None:
@@ -370,18 +375,19 @@ class ModuleChecks:
         path = paths[0]
         # No dispatch mode on at all (the backward of replay=True, module mode): nothing to keep quiet.
         with ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
-            values = self.layers.gradient(path, grad)
+            later = Later() if self._queue is not None else None
+            values = self.layers.gradient(path, grad, later)
             for other in paths[1:]:
                 if values is not None:
                     self.layers.take_gradient(other, values)
             if self.layers.deferred:
                 self._bound_backlog()
-            if ctx.options.mode != "module":
+            if not self._module_mode:
                 if self.bad_gradient is not None and _non_finite(values):
                     self.bad_gradient(path, grad)
                 return
-            if self.deferred is not None:
-                self.deferred.queue_grad(path, grad)
+            if self._queue is not None and later is not None:
+                self._queue.queue_grad(path, grad, later)
             elif _non_finite(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)
 

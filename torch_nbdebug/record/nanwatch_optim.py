@@ -44,13 +44,24 @@ def norm_groups(params: list[torch.Tensor]) -> tuple[list[list[int]], list[torch
     The L2 norm propagates NaN/Inf and is ~20x faster on CPU than the max-abs norm; a norm that
     overflowed on huge finite values is caught by the precise confirmation in :func:`flagged`.
     """
+    groups = _by_device_and_dtype(params)
+    with torch.no_grad():  # (no graph: the parameters need no detach)
+        if len(groups) == 1:
+            return groups, [torch.stack(compat.foreach_norm(params, 2))]
+        norms = [torch.stack(compat.foreach_norm([params[k] for k in indices], 2)) for indices in groups]
+    return groups, norms
+
+
+def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``params`` grouped by (device, dtype), in first-seen order; the usual single
+    group is found without building the groups."""
+    first = params[0] if params else None
+    if first is not None and all(p.dtype == first.dtype and p.device == first.device for p in params):
+        return [list(range(len(params)))]
     groups: dict[tuple[Any, Any], list[int]] = {}
     for k, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(k)
-    with torch.no_grad():
-        norms = [torch.stack(compat.foreach_norm([params[k].detach() for k in indices], 2))
-                 for indices in groups.values()]
-    return list(groups.values()), norms
+    return list(groups.values())
 
 
 def by_tensor(groups: list[list[int]], values: list[float]) -> list[float]:
@@ -75,7 +86,7 @@ class StepRecord(NamedTuple):
     # (weak reference, version, has a norm) per entry, None where there is no gradient; None when judged at once
     grads: Optional[list[Optional[tuple[Any, int, bool]]]]
     settings: list[tuple[Any, Any]]
-    place: Place
+    place: Optional[Place]  # None when judged at once: the line is then read only for a birth
 
 
 class LearningRates:
@@ -155,7 +166,7 @@ class OptimizerWatch:
             grads = [_live(p.grad) for _, _, p in entries]
         settings = [(group.get("lr"), group.get("eps")) for group in opt.param_groups]
         return StepRecord(type(opt).__name__, id(opt), self.steps[id(opt)], entries, grads, settings,
-                          here(None, None))
+                          here(None, None) if deferred else None)
 
     def _judge(self, record: StepRecord, groups: list[list[int]], values: list[float]) -> None:
         """The step's norms are read: learning rates first (the order of events), then each
@@ -190,7 +201,8 @@ class OptimizerWatch:
         if ctx.options.ignore_inf and kind == "inf":
             return
         grown = self.lrs.growth()
-        event = make_event("optimizer", f"{record.optimizer}.step", record.place._replace(module=module),
+        place = record.place or here(None, None)  # (judged at once: still in the step's post hook)
+        event = make_event("optimizer", f"{record.optimizer}.step", place._replace(module=module),
                            (grad_stats,), out, kind=kind, iteration=record.step, param=name, param_kind="parameter",
                            detail=detail, lr=lr, lr_step=grown[1] if grown is not None else None, eps=eps,
                            grad_finite=grad_stats.finite)

@@ -49,9 +49,10 @@ class Call:
     params: Optional[tuple[int, ...]] = None  # the module's parameter versions (ModelCalls.add)
     parameters: tuple[torch.Tensor, ...] = ()  # the module's parameters, in order (ModelCalls.add)
 
-    def params_changed(self, module: torch.nn.Module) -> bool:
-        """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values."""
-        return self.params is not None and self.params != _param_versions(module)
+    def params_changed(self, parameters: tuple[torch.Tensor, ...]) -> bool:
+        """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values.
+        ``parameters``: the module's parameters now (:func:`parameters_of`)."""
+        return self.params is not None and self.params != tuple([ops.version_of(p) for p in parameters])
 
     def changed(self) -> bool:
         """An argument was written in place after the call: a replay would see other values."""
@@ -138,10 +139,6 @@ def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
     versions = before + tuple([ops.version_of(t) for t in tensors[len(before):]])
     return Call(tuple(args), dict(kwargs), versions, tensors, rng[0], rng[1], torch.is_grad_enabled(), seq,
                 autocast=() if compat.autocast_off() else compat.autocast_state())
-
-
-def _param_versions(module: torch.nn.Module) -> tuple[int, ...]:
-    return tuple(ops.version_of(p) for p in module.parameters())
 
 
 def replay_call(module: torch.nn.Module, call: Call, watched: Callable[[], Any]) -> bool:
@@ -402,7 +399,7 @@ class ModelCalls:
         if call.seq is not None and call.grad_enabled and compat.current_autograd_node() is None:
             # (a forward run by backward, a checkpoint's recomputation, is part of that backward)
             parameters = parameters_of(module)  # one walk of the module tree per call
-            call = dataclasses.replace(call, params=tuple(ops.version_of(p) for p in parameters),
+            call = dataclasses.replace(call, params=tuple([ops.version_of(p) for p in parameters]),
                                        parameters=parameters)
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
@@ -415,11 +412,17 @@ _PLAIN_WALK: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary
 
 
 def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """``tuple(module.parameters())``, the same tensors in the same order, in one loop over the
-    ``_modules`` and ``_parameters`` dicts (the generator chain of ``named_modules`` and
-    ``_named_members`` costs four times as much); a class that overrides how modules or parameters
-    are listed gets its own ``parameters()``."""
+    """``tuple(module.parameters())``, the same tensors in the same order (see :func:`module_tree`)."""
+    return module_tree(module)[1]
+
+
+def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[torch.Tensor, ...]]:
+    """``list(module.modules())`` and ``tuple(module.parameters())``, the same objects in the same order,
+    in one loop over the ``_modules`` and ``_parameters`` dicts (the generator chain of ``named_modules``
+    and ``_named_members`` costs four times as much); a class that overrides how modules or parameters
+    are listed gets its own ``modules()`` and ``parameters()``."""
     found: list[torch.Tensor] = []
+    modules: list[torch.nn.Module] = []
     seen_modules: set = set()
     seen: set[int] = set()
     stack = [module]
@@ -431,14 +434,15 @@ def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
         if plain is None:
             plain = _PLAIN_WALK[type(m)] = _lists_plainly(type(m))
         if not plain:
-            return tuple(module.parameters())
+            return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
+        modules.append(m)
         for p in m._parameters.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
         stack += [c for c in reversed(m._modules.values()) if c is not None]
-    return tuple(found)
+    return modules, tuple(found)
 
 
 def _lists_plainly(cls: type) -> bool:

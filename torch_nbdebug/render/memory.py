@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import traitlets
 
 from torch_nbdebug.data.memory import CATEGORIES, CATEGORY_LABELS, Allocation, MemoryState, MemoryTimeline
