@@ -408,7 +408,7 @@ class _ByConfig(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["op", "module"])
-def test_equal_models_never_share_a_cached_walk(mode: str) -> None:
+def test_equal_models_get_their_own_paths(mode: str) -> None:
     """Modules are told apart by identity: a second model equal to the first (by its class's
     ``__eq__``) gets its own paths, not the first model's."""
     teacher, student = _ByConfig(4), _ByConfig(4)

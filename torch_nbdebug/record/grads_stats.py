@@ -270,7 +270,7 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
         n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var = host
         cols["nan"][dirty], cols["inf"][dirty] = n_nan, n_inf
         _set(cols, dirty, d_total / np.maximum(n, 1), d_var, d_lo, d_hi, d_l1 / np.maximum(n, 1), n)
-    outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows _binned could not count: histc's
+    outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows grads_cpu.binned left NaN: histc's
     rows, hists = _histograms(grads, outside + list(dirty), cols["min"], cols["max"], bins, rng)
     if hists:
         (counts[rows],) = yield hists

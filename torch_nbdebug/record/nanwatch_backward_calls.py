@@ -23,7 +23,7 @@ from torch_nbdebug.record import compat
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_events import stats_of
 from torch_nbdebug.record.nanwatch_modules import float_leaves
-from torch_nbdebug.record.nanwatch_optim import norm_groups
+from torch_nbdebug.record.nanwatch_optim import by_tensor, norm_groups
 from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, module_tree, plain_arguments,
                                                   replay_context, user_line)
 
@@ -214,20 +214,10 @@ class CallChecks:
                     owner.append(i)
         if not grads:
             return []
-        with torch.no_grad():
-            first = grads[0]
-            if all(g.dtype == first.dtype and g.device == first.device for g in grads):
-                norms = torch.stack(compat.foreach_norm(grads))
-                if math.isfinite(float(norms.sum())):  # the one read of a finite step
-                    return []
-                values = norms.tolist()
-            else:
-                groups, stacked = norm_groups(grads)
-                read = [v for n in stacked for v in n.tolist()]
-                values = [0.0] * len(grads)
-                for idx, start in _offsets(groups):
-                    for j, k in enumerate(idx):
-                        values[k] = read[start + j]
+        groups, stacked = norm_groups(grads)
+        if len(stacked) == 1 and math.isfinite(float(stacked[0].sum())):  # the one read of a finite step
+            return []
+        values = by_tensor(groups, [v for n in stacked for v in n.tolist()])
         bad = {owner[k] for k, v in enumerate(values) if not math.isfinite(v)}
         return [regions[i] for i in sorted(bad)]
 
@@ -271,12 +261,9 @@ class CallChecks:
         self._finite_before = set()
         if not pairs:
             return
-        params = [p for p, _ in pairs]
-        with torch.no_grad():
-            groups, stacked = norm_groups([g for _, g in pairs])
-            read = [v for n in stacked for v in n.tolist()]
-        for idx, start in _offsets(groups):
-            self._finite_before.update(id(params[k]) for j, k in enumerate(idx) if math.isfinite(read[start + j]))
+        groups, stacked = norm_groups([g for _, g in pairs])
+        values = by_tensor(groups, [v for n in stacked for v in n.tolist()])
+        self._finite_before = {id(p) for (p, _), v in zip(pairs, values) if math.isfinite(v)}
 
     def _replay_or_report(self, region: Region) -> Optional[tuple[Region, str]]:
         """Replay the call; what is left to report at module level (after every replay), or None."""
@@ -481,14 +468,6 @@ def _dense_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> lis
         if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED:
             pairs.append((p, g))
     return pairs
-
-
-def _offsets(groups: list[list[int]]) -> list[tuple[list[int], int]]:
-    out, start = [], 0
-    for idx in groups:
-        out.append((idx, start))
-        start += len(idx)
-    return out
 
 
 def _detached(value: Any) -> Any:

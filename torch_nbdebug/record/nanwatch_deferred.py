@@ -35,7 +35,9 @@ Entry = Literal["op", "absorb", "node", "module", "grad", "optim"]
 
 
 class Pending(NamedTuple):
-    """One deferred check: device sums (see :func:`_flags`) of its outputs then its inputs, plus context."""
+    """One deferred check: device sums (see :func:`_flags`) of its outputs then its inputs, plus context.
+    A module or grad entry judges its output from the layer table's ``reading`` (:func:`reading_flags`):
+    ``flags`` then holds only the inputs' sums (None without inputs)."""
 
     entry: Entry
     flags: Optional[torch.Tensor]

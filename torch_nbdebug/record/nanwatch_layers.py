@@ -143,12 +143,10 @@ class LayerRecorder:
     def forward(self, path: str, t: torch.Tensor, later: Optional[Later] = None) -> Optional[list[float]]:
         """Record an output; returns ``[min, max, mean]`` now when not deferred (else None: the flush
         reads it, and hands the values to ``later`` too)."""
-        row = self._rows.get(path)  # (runs at every module exit: the row is usually there)
-        return self._record((row if row is not None else self._row(path)).fwd, t, later)
+        return self._record(self._row(path).fwd, t, later)
 
     def gradient(self, path: str, t: torch.Tensor, later: Optional[Later] = None) -> Optional[list[float]]:
-        row = self._rows.get(path)
-        return self._record((row if row is not None else self._row(path)).grad, t, later)
+        return self._record(self._row(path).grad, t, later)
 
     def take_forward(self, path: str, values: list[float]) -> None:
         """Record readings already computed for the same tensor (a container's output)."""

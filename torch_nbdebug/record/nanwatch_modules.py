@@ -163,7 +163,7 @@ class ModuleChecks:
         activations it names are alive (exact statistics). When a backward will follow, wait for it
         to start instead: the loss computed after the model is read too, in the same single read."""
         t = first_float_tensor(output)
-        backward = self.ctx.options.backward and t is not None and t.requires_grad and torch.is_grad_enabled()
+        backward = self._backward and t is not None and t.requires_grad and torch.is_grad_enabled()
         if backward and self._awaiting != id(module):  # the same model again without a backward: read now
             if self._awaiting is None:
                 self._awaiting = id(module)
@@ -270,7 +270,7 @@ class ModuleChecks:
             hook = _GradHook(self, path)
             self.ctx.keep_handle(t.register_hook(hook))
         self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
-        if values is None:  # deferred: nothing was read
+        if self.layers.deferred:
             self._bound_backlog()
 
     def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any,
@@ -303,7 +303,7 @@ class ModuleChecks:
         entry = kept.output(t, path, module, inputs, place, ctx.clock.iteration, weak)
         entry.call = call.weakened() if weak else call
         hook = None
-        if ctx.options.backward and t.requires_grad and torch.is_grad_enabled():
+        if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             ctx.keep_handle(t.register_hook(hook))
         self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
@@ -375,7 +375,8 @@ class ModuleChecks:
         path = paths[0]
         # No dispatch mode on at all (the backward of replay=True, module mode): nothing to keep quiet.
         with ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
-            later = Later() if self._queue is not None else None
+            queue = self._queue
+            later = Later() if queue is not None else None
             values = self.layers.gradient(path, grad, later)
             for other in paths[1:]:
                 if values is not None:
@@ -386,8 +387,8 @@ class ModuleChecks:
                 if self.bad_gradient is not None and _non_finite(values):
                     self.bad_gradient(path, grad)
                 return
-            if self._queue is not None and later is not None:
-                self._queue.queue_grad(path, grad, later)
+            if queue is not None:
+                queue.queue_grad(path, grad, later)
             elif _non_finite(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)
 

@@ -46,8 +46,6 @@ def norm_groups(params: list[torch.Tensor]) -> tuple[list[list[int]], list[torch
     """
     groups = _by_device_and_dtype(params)
     with torch.no_grad():  # (no graph: the parameters need no detach)
-        if len(groups) == 1:
-            return groups, [torch.stack(compat.foreach_norm(params, 2))]
         norms = [torch.stack(compat.foreach_norm([params[k] for k in indices], 2)) for indices in groups]
     return groups, norms
 

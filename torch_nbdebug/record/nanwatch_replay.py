@@ -52,7 +52,7 @@ class Call:
     def params_changed(self, parameters: tuple[torch.Tensor, ...]) -> bool:
         """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values.
         ``parameters``: the module's parameters now (:func:`parameters_of`)."""
-        return self.params is not None and self.params != tuple([ops.version_of(p) for p in parameters])
+        return self.params is not None and self.params != versions_of(parameters)
 
     def changed(self) -> bool:
         """An argument was written in place after the call: a replay would see other values."""
@@ -399,8 +399,7 @@ class ModelCalls:
         if call.seq is not None and call.grad_enabled and compat.current_autograd_node() is None:
             # (a forward run by backward, a checkpoint's recomputation, is part of that backward)
             parameters = parameters_of(module)  # one walk of the module tree per call
-            call = dataclasses.replace(call, params=tuple([ops.version_of(p) for p in parameters]),
-                                       parameters=parameters)
+            call = dataclasses.replace(call, params=versions_of(parameters), parameters=parameters)
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
     def clear(self) -> None:
@@ -414,6 +413,11 @@ _PLAIN_WALK: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary
 def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(module.parameters())``, the same tensors in the same order (see :func:`module_tree`)."""
     return module_tree(module)[1]
+
+
+def versions_of(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Each parameter's version counter: another tuple once a weight was written in place."""
+    return tuple([ops.version_of(p) for p in parameters])
 
 
 def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[torch.Tensor, ...]]:
