@@ -446,13 +446,6 @@ storage_id_of: Callable[[Any], int] = _storage_id_getter()
 every op output; :func:`storage_id` itself where torch has no such descriptor."""
 
 
-def module_hooks_in(module: Any, own: Collection[int] = ()) -> bool:
-    """Whether ``module`` or a submodule has hooks of its own (forward, forward pre, backward), or a
-    global module hook is installed other than ``own`` (the caller's handle ids) and this package's:
-    running it again would run them again. Reads ``nn.Module``'s private hook dicts (no public accessor)."""
-    return hooks_in_modules(module.modules(), own)
-
-
 def global_module_hook_ids(skip_package: str = "") -> set[int]:
     """The ids of every global module hook (``register_module_forward_hook`` and friends), less those
     whose function is defined in ``skip_package`` (this package's own recorders, which keep out of a replay)."""
@@ -558,9 +551,10 @@ def embedding_pads(node: Any) -> bool:
 
 
 def hooks_in_modules(modules: Iterable[Any], own: Collection[int] = ()) -> bool:
-    """:func:`module_hooks_in` over modules the caller has listed already (one walk of the module tree
-    serves several checks): whether one of ``modules`` has hooks of its own, or a global module hook
-    other than ``own`` and this package's is installed."""
+    """Whether one of ``modules`` (a model's ``modules()``, listed by the caller) has hooks of its own
+    (forward, forward pre, backward), or a global module hook is installed other than ``own`` (the
+    caller's handle ids) and this package's: running the model again would run them again. Reads
+    ``nn.Module``'s private hook dicts (no public accessor)."""
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return (any(bool(getattr(m, name, None)) for m in modules for name in names)
             or bool(global_module_hook_ids("torch_nbdebug") - set(own)))

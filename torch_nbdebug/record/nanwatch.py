@@ -34,8 +34,8 @@ from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
 from torch_nbdebug.record.nanwatch_modules import ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch_replay import (Replayer, parameters_of, plain_arguments, relocate, replay_call,
-                                                  user_line, with_forward)
+from torch_nbdebug.record.nanwatch_replay import (Replayer, relocate, replay_call, user_line, why_not_replayable,
+                                                  with_forward)
 from torch_nbdebug.record.nanwatch_storage import StorageRegistry
 
 _get_sequence_nr = compat.next_sequence_nr
@@ -304,9 +304,7 @@ class NanRecorder:
                     if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
             for module, call, end, where in calls.calls if todo else []:
                 mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
-                if mine and not call.changed() and not call.params_changed(parameters_of(module)) \
-                        and not compat.module_hooks_in(module, self.own_hook_ids()) \
-                        and plain_arguments((call.args, call.kwargs)):
+                if mine and not why_not_replayable(call, module, self.own_hook_ids()):
                     places = self._replayed_places(module, call, where)
                     for i in mine:
                         place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]

@@ -24,8 +24,8 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_events import stats_of
 from torch_nbdebug.record.nanwatch_modules import float_leaves
 from torch_nbdebug.record.nanwatch_optim import by_tensor, norm_groups
-from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, module_tree, plain_arguments,
-                                                  replay_context, user_line)
+from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
+                                                  why_not_replayable)
 
 _STRIDED = torch.strided
 _MAX_REGIONS = 8  # model calls waiting for their backward (two forwards, then one backward)
@@ -238,15 +238,7 @@ class CallChecks:
         """Why the call cannot be replayed exactly ("" when it can); asked before its backward starts
         (then that backward runs watched) and again after it. ``forward``: only the reasons that keep its
         forward from being replayed too (``Recorder.name_backward_births`` refuses the same)."""
-        call = region.call
-        modules, parameters = module_tree(region.module)  # (one walk for the weights and the hooks)
-        reason = ("its arguments were changed in place" if call.changed()
-                  else "its weights were changed since the call" if call.params_changed(parameters)
-                  else "an argument is an object the call may update (a cache)"
-                  if not plain_arguments((call.args, call.kwargs))
-                  else "it has hooks of its own (or a global module hook is installed), which a replay would run again"
-                  if compat.hooks_in_modules(modules, self.host.own_hook_ids())
-                  else "")
+        reason = why_not_replayable(region.call, region.module, self.host.own_hook_ids())
         if reason or forward:
             return reason
         return ("saved-tensor hooks were active at the call" if region.saved_hooks

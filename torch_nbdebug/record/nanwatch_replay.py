@@ -175,6 +175,19 @@ def plain_arguments(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def why_not_replayable(call: Call, module: torch.nn.Module, own_hooks: Collection[int]) -> str:
+    """Why the forward of ``call`` cannot be replayed exactly ("" when it can): one walk of the module
+    tree serves the weights and the hooks. ``own_hooks``: the watch's own global hook ids."""
+    modules, parameters = module_tree(module)
+    return ("its arguments were changed in place" if call.changed()
+            else "its weights were changed since the call" if call.params_changed(parameters)
+            else "an argument is an object the call may update (a cache)"
+            if not plain_arguments((call.args, call.kwargs))
+            else "it has hooks of its own (or a global module hook is installed), which a replay would run again"
+            if compat.hooks_in_modules(modules, own_hooks)
+            else "")
+
+
 _STRUCTURE = ("_parameters", "_modules", "_buffers")
 
 
@@ -308,12 +321,8 @@ class Replayer:
         call: Optional[Call] = entry.call.resolved() if entry.call is not None else None
         why = ("its arguments were not kept" if entry.call is None
                else "its arguments were freed before the check (no_grad)" if call is None
-               else "its arguments were changed in place after the call" if call.changed()
-               else "an argument is an object the call may update (a cache)"
-               if not plain_arguments((call.args, call.kwargs))
-               else "it has hooks of its own (or a global module hook is installed), which a replay would run again"
-               if compat.module_hooks_in(entry.module, self._own_hooks())
-               else "")
+               else "its arguments were changed in place after the call" if call.changed()  # (at the module's exit)
+               else why_not_replayable(call, entry.module, self._own_hooks()))
         before = len(log.events)
         if not why:
             self.replays += 1
