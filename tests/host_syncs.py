@@ -5,9 +5,11 @@ Not a test module (its name does not start with ``test_``): the cost tests impor
 ``Tensor.item/tolist/numpy/__bool__/__float__/__int__/cpu`` and of ``Tensor.to('cpu')`` is
 counted, except reading a tensor that an already counted ``cpu()``/``to("cpu")`` returned: that
 tensor is on the host, so reading it waits for nothing (``t.cpu().numpy()`` is one synchronisation).
+Also :class:`OpCount`, the ATen ops a block runs, by name.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from typing import Any, Callable, Iterator
@@ -15,6 +17,26 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_VIEWS = {"detach", "alias", "view", "_unsafe_view"}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the ATen ops a block runs, by name: those that compute something (views and detaches
+    left out), or every one with ``views=True``."""
+
+    def __init__(self, views: bool = False) -> None:
+        super().__init__()
+        self.views = views
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if self.views or name not in _VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
 
 _READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from host_syncs import OpCount
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record.nanwatch_optim import GRAD_GONE
 
@@ -176,18 +177,6 @@ def _line(marker: str) -> int:
     raise AssertionError(marker)
 
 
-class _AllOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts every ATen op (views and detaches too), by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_optimizer_check_is_one_batched_norm_and_nothing_per_parameter() -> None:
     """After each step: one ``_foreach_norm`` and one ``stack`` per (device, dtype) group, no op per
     parameter (a ``detach`` each was a tenth of the check on the small model)."""
@@ -195,14 +184,14 @@ def test_the_optimizer_check_is_one_batched_norm_and_nothing_per_parameter() -> 
 
     model, _ = small_gpt_step()
     params = list(model.parameters())
-    with _AllOps() as counted:
+    with OpCount(views=True) as counted:
         groups, norms = norm_groups(params)
     assert counted.ops == {"_foreach_norm": 1, "stack": 1}
     assert groups == [list(range(len(params)))]
     expected = torch.stack([p.detach().norm() for p in params])
     assert torch.allclose(norms[0], expected)
     wide = params[1].detach().double()
-    with _AllOps() as mixed:
+    with OpCount(views=True) as mixed:
         groups, norms = norm_groups([params[0], wide])
     assert mixed.ops == {"_foreach_norm": 2, "stack": 2} and groups == [[0], [1]]
 

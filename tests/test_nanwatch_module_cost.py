@@ -16,29 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from host_syncs import SmallGPT, counting_host_syncs
+from host_syncs import OpCount, SmallGPT, counting_host_syncs
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import ModuleNamer, qualified_names
 from torch_nbdebug.record.nanwatch_deferred import _flags, reading_flags
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor, stat_values
-
-_VIEWS = {"detach", "alias", "view", "_unsafe_view"}
-
-
-class OpCount(compat.TorchDispatchMode):
-    """Counts the ATen ops that compute something (views left out), by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if name not in _VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
 
 def test_a_deferred_reading_is_two_reductions_and_the_readings_are_stacked_once() -> None:
     """On the device each reading is ``aminmax`` and ``sum`` (no casts, no division, no stack per
