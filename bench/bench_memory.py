@@ -40,7 +40,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -56,10 +56,19 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, idx: torch.Ten
     return lambda: training_step(opt, lambda: lm_loss(model, idx, target))
 
 
-def recorded(step: Callable[[], None], ns: dict[str, Any], record_lines: bool = True) -> Any:
-    """The step under memory_timeline; leaving the block builds the timeline (peak, categories, leaks)."""
-    with memory_timeline(ns, device="cpu", record_lines=record_lines) as tl:
+def recorded(step: Callable[[], None], ns: dict[str, Any], record_lines: bool = True,
+             phases: Optional[list[tuple[float, float, float]]] = None) -> Any:
+    """The step under memory_timeline; leaving the block builds the timeline (peak, categories, leaks).
+    ``phases`` gets the CPU seconds of entering the block, of the step inside it and of leaving it."""
+    clock_cpu = time.process_time
+    block = memory_timeline(ns, device="cpu", record_lines=record_lines)
+    entering = clock_cpu()
+    with block as tl:
+        started = clock_cpu()
         step()
+        stepped = clock_cpu()
+    if phases is not None:
+        phases.append((started - entering, stepped - started, clock_cpu() - stepped))
     return tl
 
 
@@ -226,9 +235,10 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
               } if args.floors else {}
     timings = Timings(["plain", "memory_timeline", "no lines", "profiler", *floors])
     renders, events, exports = [], [], []
+    phases: list[tuple[float, float, float]] = []
     for r in range(repeats):
         timings.time("plain", step)
-        tl = timings.time("memory_timeline", lambda: recorded(step, ns))
+        tl = timings.time("memory_timeline", lambda: recorded(step, ns, phases=phases))
         renders.append(clock(tl.html)[0].wall)  # the static SVG, timed apart from the step
         events.append(len(tl.steps) - 1)
         if args.lines_cost:
@@ -248,6 +258,9 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
     print(f"memory_timeline (record + build)    wall {ours:.3f} s   ratio {ours / plain:.2f}x; "
           f"cpu ratio {ours_cpu / plain_cpu:.2f}x (targets <= 1.10x / 1.5x); {int(statistics.median(events))} events; "
           f"static SVG render {statistics.median(renders):.3f} s")
+    enter, inside, leave = (statistics.median(p[i] for p in phases) * 1000 for i in range(3))
+    print(f"  of which (cpu medians): entering {enter:.1f} ms, the step inside {inside:.1f} ms "
+          f"(plain {plain_cpu * 1000:.1f} ms), leaving + building the timeline {leave:.1f} ms")
     if timings.repeats("no lines"):
         calls, spent = line_cost(step, ns)
         print(f"memory_timeline(record_lines=False)  cpu ratio {timings.median_cpu('no lines') / plain_cpu:.2f}x; "

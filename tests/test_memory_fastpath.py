@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 import pickle
 import subprocess
 import sys
@@ -137,3 +138,75 @@ def test_the_start_walk_finds_the_same_tensors_without_names() -> None:
     exp_avg = storage_key(opt.state[model[0].weight]["exp_avg"])
     assert named.names[exp_avg] == "opt.state[model.0.weight]['exp_avg']"
     assert unnamed.names[exp_avg] == "opt.state[param0]['exp_avg']"  # by index: names are not needed at the start
+
+
+def test_event_times_count_from_the_start_of_recording() -> None:
+    """Times are kept raw while recording and made relative once at the end: every event lies between
+    the start and the end of the block, in order."""
+    with memory_timeline({}, device="cpu") as tl:
+        kept = [torch.ones(1000) * i for i in range(5)]
+        del kept[:2]
+    assert tl.time_s[0] == 0.0 and len(tl.time_s) > 5
+    assert (tl.time_s >= 0).all() and (tl.time_s <= tl.duration_s).all()
+    assert (tl.time_s[1:] >= tl.time_s[:-1]).all()
+
+
+def _site_of(start: FrameType) -> Any:
+    """Called from this test file: the innermost user frame is this one, or its caller's."""
+    from torch_nbdebug.record.source import user_frame, user_position
+
+    frame = user_frame(start)
+    assert frame is not None
+    return user_position(start), (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+
+
+def test_user_position_names_the_frame_user_frame_finds() -> None:
+    from torch_nbdebug.record.source import user_position
+
+    here = sys._getframe()
+    assert user_position(here) == (__file__, here.f_lineno, "test_user_position_names_the_frame_user_frame_finds")
+    position, expected = _site_of(sys._getframe())
+    assert position == expected
+    # Starting inside torch: its frames are skipped up to the line of this test that called into it.
+    import torch.utils._pytree as pytree
+
+    found: list[Any] = []
+    line = sys._getframe().f_lineno + 1
+    pytree.tree_map(lambda leaf: found.append(_site_of(sys._getframe(1))), [1])
+    assert found[0][0] == found[0][1] == (__file__, line, "test_user_position_names_the_frame_user_frame_finds")
+    assert user_position(None) is None
+
+
+def test_the_recorder_keeps_no_weak_reference_after_it_stops() -> None:
+    """The weak references that report frees live on the records while recording, and go with them."""
+    recorder = MemoryRecorder({}, device_type="cpu")
+    with recorder:
+        made = torch.ones(1000) * 2
+        during = weakref.getweakrefcount(made.untyped_storage())
+    assert during == 1
+    assert weakref.getweakrefcount(made.untyped_storage()) == 0
+    assert [a.nbytes for a in recorder.recording.allocations if a.op == "mul.Tensor"] == [4000]
+
+
+def test_the_end_walk_skips_known_storages_but_names_them() -> None:
+    model = nn.Linear(3, 2)
+    extra = torch.zeros(4)
+    ns = {"model": model, "extra": extra}
+    known = {storage_key(model.weight)}
+    seen: list[int] = []
+    holders = find_holders(ns, on_new=lambda key, tensor: seen.append(key), known=known)
+    assert storage_key(model.weight) not in seen
+    assert set(seen) == {storage_key(model.bias), storage_key(extra)}
+    assert holders.names[storage_key(model.weight)] == "model.weight"
+
+
+def test_a_model_run_and_in_the_namespace_is_read_once_at_the_end() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = MemoryRecorder({"model": model, "opt": opt}, device_type="cpu")
+    with recorder:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        modules, optimizers = recorder._state_owners()
+    assert [id(m) for m in modules] == [id(m) for m in model.modules()]
+    assert optimizers == [opt]

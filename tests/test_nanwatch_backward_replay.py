@@ -375,6 +375,30 @@ def test_a_tensor_hook_in_the_loss_code_is_watched_as_the_users_backward_code() 
     assert_same(always, replayed)
 
 
+def test_after_a_step_the_gate_waits_for_a_graph_and_a_hook_registered_then_is_still_watched() -> None:
+    """After an optimizer step the backward gate is off the function-mode stack (``zero_grad``'s ``.grad``
+    reads and writes pass no Python mode); the first op that makes a graph puts it back, before the user
+    registers a hook on its output."""
+    stacks: list[int] = []
+
+    def body(model: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        stacks.append(compat.function_stack_len())
+        opt.zero_grad()
+        w = torch.ones(3, requires_grad=True)
+        y = w * 3  # @bw-after-step
+        y.register_hook(lambda g: g / 0.0)  # @bw-hook-after-step
+        (model(torch.randn(2, 3)).sum() + y.sum()).backward()
+
+    always, replayed = both(LossLog, body)
+    assert stacks == [0, 0]
+    first = replayed.first
+    assert first.lineno == line("@bw-hook-after-step") and first.forward_lineno == line("@bw-after-step")
+    assert_same(always, replayed)
+
+
 def test_only_a_backward_with_a_non_finite_gradient_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cheap checks only while every gradient is finite: no replay then; one for a birth."""
     replays: list[str] = []

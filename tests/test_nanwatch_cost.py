@@ -261,3 +261,39 @@ def test_the_module_tree_walk_lists_what_modules_and_parameters_list() -> None:
 
     odd = Listed()
     assert module_tree(odd) == ([odd], tuple(odd.parameters()))
+
+
+def test_a_kept_module_output_has_its_statistics_from_when_the_module_returned() -> None:
+    """The replay's module layer computes each output's min, max and sum as the module returns (the
+    output is still in the cache then) and reads them all when the outermost call returns."""
+    from torch_nbdebug.record.nanwatch_kept import KeptReadings
+
+    kept = KeptReadings()
+    t = torch.tensor([1.0, -2.0, 4.0])
+    kept.output(t, "model.fc", nn.Linear(3, 3), (), None, 0)
+    t.data.fill_(float("nan"))  # (no version bump: the entry is not dropped as written since)
+    (entry,) = kept.take()
+    assert entry.values == [-2.0, 4.0, 1.0]
+
+
+def test_a_model_call_lists_its_module_tree_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tree listed as the model returns serves the check before its backward (no second walk)."""
+    from torch_nbdebug.record import nanwatch_replay
+
+    model, step = small_gpt_step()
+    step()
+    walks = collections.Counter()
+    walk = nanwatch_replay.module_tree
+
+    def counted(module: nn.Module) -> Any:
+        walks[type(module).__name__] += 1
+        return walk(module)
+
+    with nanwatch(namespace={"model": model}) as report:
+        step()
+        monkeypatch.setattr(nanwatch_replay, "module_tree", counted)
+        for _ in range(2):
+            step()
+        monkeypatch.setattr(nanwatch_replay, "module_tree", walk)
+    assert walks == {type(model).__name__: 2}
+    assert report.events == () and report.layers

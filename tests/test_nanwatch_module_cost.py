@@ -476,3 +476,31 @@ def test_deferred_module_mode_reports_a_float64_sum_that_overflows(case: str) ->
             (y * 0.5e308).sum().backward() if case == "gradient" else y.sum().backward()
         found.append([(e.phase, e.module, e.op, e.kind) for e in report.events])
     assert found[0] and found[1] == found[0]
+
+
+# -- the compiled-code note (its frame search stops at the enclosing module call) ---------------------------
+def test_a_compiled_function_called_inside_a_model_is_named() -> None:
+    """The compiled code around a module call is looked for between it and the enclosing module's
+    call only (above that, the enclosing call's own look found it): a compiled helper that a model's
+    forward calls is still named in the note."""
+    import torch._dynamo  # noqa: F401 - the watch sets the eager stance only once dynamo is loaded
+
+    inner = nn.Linear(2, 2)
+    helper = torch.compile(lambda x: inner(x).relu(), backend="eager")
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return helper(self.fc(x))
+
+    model = Outer()
+    try:
+        with nanwatch(mode="module", namespace={"model": model}) as report:
+            model(torch.randn(3, 2))
+    finally:
+        torch._dynamo.reset()
+    notes = [n for n in report.notes if "torch.compile" in n]
+    assert len(notes) == 1 and "(<lambda>)" in notes[0], report.notes

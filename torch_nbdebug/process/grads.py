@@ -98,7 +98,7 @@ def step_flags(trace: GradTrace, step: int = -1, limits: Thresholds = Thresholds
             history = np.stack([medians, counts], 1)
     found: list[Flag] = []
     loud = _loud_params(trace, step, limits)
-    for li in range(len(trace.layers)):
+    for li in np.flatnonzero(_loud_layers(trace, loud, table, median_rms, history, limits)).tolist():
         for kind, reason, param in _layer_findings(trace, step, li, table, median_rms, history, limits, loud):
             found.append(Flag(kind, li, step, reason, param))
     return tuple(found)
@@ -119,6 +119,29 @@ def _loud_params(trace: GradTrace, step: int, limits: Thresholds) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         return ((s[:, FIELD["has_grad"]] == 0) | (s[:, FIELD["nan"]] > 0) | (s[:, FIELD["inf"]] > 0) |
                 ~np.isfinite(norm) | (norm == 0) | ((units > 0) & (dead >= limits.dead_units * units)))
+
+
+def _loud_layers(trace: GradTrace, loud: np.ndarray, table: dict[str, np.ndarray], median_rms: float,
+                 history: Optional[np.ndarray], limits: Thresholds) -> np.ndarray:
+    """The layers :func:`_layer_findings` may flag (a superset, for every layer at once): a loud
+    parameter (a frozen layer's are), a size finding's condition, or activations to look at. The
+    others are skipped without a call each."""
+    n_l = len(trace.layers)
+    if trace.activations is not None:
+        return np.ones(n_l, bool)
+    sizes = np.array([len(layer.params) for layer in trace.layers])
+    members = np.fromiter((p for layer in trace.layers for p in layer.params), np.int64, int(sizes.sum()))
+    out = np.zeros(n_l, bool)
+    out[np.repeat(np.arange(n_l), sizes)[loud[members]]] = True
+    norm, rms = table["norm"], table["rms"]
+    with np.errstate(invalid="ignore"):
+        size = (norm >= limits.exploding_norm) | (rms < limits.vanishing_rms)
+        if np.isfinite(median_rms) and median_rms > 0:
+            size |= (rms >= limits.exploding_rel * median_rms) | (rms <= limits.vanishing_rel * median_rms)
+        if history is not None:
+            median, count = history[:, 0], history[:, 1]
+            size |= (count >= 3) & (median > 0) & (norm >= limits.exploding_growth * median)
+    return out | (size & np.isfinite(norm))
 
 
 def _layer_findings(trace: GradTrace, step: int, li: int, table: dict[str, np.ndarray], median_rms: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from operator import attrgetter
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -47,10 +48,9 @@ def category_series(allocations: Sequence[Allocation], events: np.ndarray) -> np
     the allocations alive before recording (``start == -1``).
     """
     n_cat = len(CATEGORIES)
-    nbytes = np.fromiter((a.nbytes for a in allocations), np.int64, len(allocations))
-    cats = np.fromiter((_CAT[a.category] for a in allocations), np.int64, len(allocations))
+    nbytes, cats = _ints(allocations, "nbytes"), _category_indices(allocations)
     out = np.zeros((len(events) + 1, n_cat), dtype=np.int64)
-    before = np.fromiter((a.start < 0 for a in allocations), bool, len(allocations))
+    before = _ints(allocations, "start") < 0
     np.add.at(out[0], cats[before], nbytes[before])  # row 0: what was alive before recording
     if len(events):
         ids = np.where(events >= 0, events, -events - 1)
@@ -65,10 +65,19 @@ _ALIVE = int(np.iinfo(np.int64).max)  # the end of an allocation alive at the en
 
 def allocation_spans(allocations: Sequence[Allocation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(start, end, nbytes)`` arrays (end = a huge number while alive): vectorised liveness queries."""
-    n = len(allocations)
-    starts = np.fromiter((a.start for a in allocations), np.int64, n)
-    ends = np.fromiter((_ALIVE if a.end is None else a.end for a in allocations), np.int64, n)
-    return starts, ends, np.fromiter((a.nbytes for a in allocations), np.int64, n)
+    ends = np.fromiter([_ALIVE if end is None else end for end in map(attrgetter("end"), allocations)], np.int64,
+                       len(allocations))
+    return _ints(allocations, "start"), ends, _ints(allocations, "nbytes")
+
+
+def _ints(allocations: Sequence[Allocation], name: str) -> np.ndarray:
+    """One integer field of every allocation as an array (``map`` of an ``attrgetter``: no Python frame
+    per row, where a generator expression resumes one per row)."""
+    return np.fromiter(map(attrgetter(name), allocations), np.int64, len(allocations))
+
+
+def _category_indices(allocations: Sequence[Allocation]) -> np.ndarray:
+    return np.fromiter(map(_CAT.__getitem__, map(attrgetter("category"), allocations)), np.int64, len(allocations))
 
 
 def alive_at(allocations: Sequence[Allocation], sample: int, top: Optional[int] = None,

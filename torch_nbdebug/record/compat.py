@@ -573,3 +573,35 @@ def register_global_forward_hook(hook: Callable[..., Any], *, with_kwargs: bool 
     if with_kwargs and isinstance(flags, dict):
         handle.extra_dict_ref = (*handle.extra_dict_ref, weakref.ref(flags))
     return handle
+
+
+def compiled_callables_in_call(frame: Optional[types.FrameType], limit: int = 64) -> Iterator[Any]:
+    """:func:`compiled_callables` for a module forward pre-hook whose caller is ``frame``, up to the
+    call of the module that encloses this one: the compiled calls above it were found when its own
+    pre-hook ran. At top level (no enclosing module call) the whole stack, up to ``limit`` frames.
+    (The whole stack at every module call costs in proportion to its depth: a notebook cell's is deep.)"""
+    code = _wrapper_code()
+    if code is None:
+        return
+    call_impl = torch.nn.Module._call_impl.__code__
+    module_calls = 0
+    depth = 0
+    while frame is not None and depth < limit:
+        if frame.f_code is code:
+            fn = frame.f_locals.get("fn")
+            if fn is not None:
+                yield _unwrap(fn)
+        elif frame.f_code is call_impl:
+            module_calls += 1
+            if module_calls == 2:  # the first is this module's own call
+                return
+        frame = frame.f_back
+        depth += 1
+
+
+def autocast_may_be_on() -> bool:
+    """False when autocast is on for no device (then :func:`autocast_state` is ``()``): one flag read
+    where torch has it (``_is_any_autocast_enabled``, every device type), else :func:`autocast_off`.
+    nanwatch's replay asks at every module call."""
+    any_on = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return bool(any_on()) if any_on is not None else not autocast_off()

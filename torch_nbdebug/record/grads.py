@@ -37,7 +37,7 @@ from torch_nbdebug.record.grads_stats import (
     LastJob, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
     whole_columns,
 )
-from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows
+from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows, update_squares
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 
 # Forward order learnt by a recording, reused by later snapshots of the same model (weak: never
@@ -60,18 +60,20 @@ def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = No
     """
     model = compat.original_module(model)  # a torch.compile'd model: the user's names, not _orig_mod.*
     order = order if order is not None else _FORWARD_ORDER.get(model)
-    modules = [(sub, m) for sub, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    # Each module's own parameters listed once (named_parameters walks a generator and a memo per call).
+    found = [(sub, m, list(m.named_parameters(recurse=False))) for sub, m in model.named_modules()]
+    modules = [entry for entry in found if entry[2]]
     if order:
         rank = {sub: i for i, sub in enumerate(order)}
-        modules.sort(key=lambda sm: rank.get(sm[0], len(rank)))  # stable: unseen keep registration order
+        modules.sort(key=lambda entry: rank.get(entry[0], len(rank)))  # stable: unseen keep registration order
     seen: set[int] = set()
     live: list[tuple[str, nn.Module]] = []
     params: list[nn.Parameter] = []
     layers: list[LayerInfo] = []
     infos: list[ParamInfo] = []
-    for sub, module in modules:
+    for sub, module, named in modules:
         path = f"{name}.{sub}" if sub else name
-        owned = [(pn, p) for pn, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        owned = [(pn, p) for pn, p in named if id(p) not in seen]
         if not owned:
             continue
         indices = []
@@ -252,12 +254,13 @@ class GradRecorder:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
             return
         row = self._pending[-1]
-        with torch.no_grad():  # reduced with the row at the next flush: no work per parameter now
-            row["before"], row["after"] = self._before, self._gather_params(row, after=True)
+        with torch.no_grad():  # a few batched ops, whatever the number of parameters
+            self._gather_params(row, after=True)
+            row["squares"] = update_squares(row["layout"], row["chunk"].weights())
         self._before = None
 
     def _gather_params(self, row: dict[str, Any], after: bool) -> torch.Tensor:
-        out = row["chunk"].weights()[int(after), row["slot"]]
+        out = row["chunk"].weights()[int(after)]
         return self._sampler.gather([self._params[i] for i in row["present"]], row["layout"], out)
 
     @staticmethod

@@ -23,18 +23,18 @@ def binned(grads: list[torch.Tensor], bins: int, ranges: np.ndarray) -> torch.Te
     those rows in its next copy (telling them apart here would take a host read per piece)."""
     edges = ranges.astype(np.float32)  # histc's edges, in float32
     counts = torch.zeros(len(grads), bins + 1, dtype=torch.int64, device="cpu")
-    inside = torch.ones(len(grads), dtype=torch.bool, device="cpu")
     size = min(PIECE, max(g.numel() for g in grads))
     spread = torch.empty(size, dtype=torch.float32, device="cpu")
     buffers = spread, torch.empty(size, dtype=torch.int32, device="cpu")
+    yes = torch.ones((), dtype=torch.bool, device="cpu")
+    inside = []  # one bool tensor per row, stacked once
     for row, (grad, direct) in enumerate(zip(grads, _histc_rows(edges, bins))):
         flat = grad.detach().reshape(-1).float()
         if direct:
             counts[row, :bins] = torch.histc(flat, bins, *ranges[row]).long()
-        else:
-            inside[row] = _bin_pieces(flat, bins, edges[row], counts[row], buffers)
+        inside.append(yes if direct else _bin_pieces(flat, bins, edges[row], counts[row], buffers))
     counts[:, bins - 1] += counts[:, bins]
-    return torch.where(inside[:, None], counts[:, :bins].float(), math.nan)
+    return torch.where(torch.stack(inside)[:, None], counts[:, :bins].float(), math.nan)
 
 
 def _histc_rows(edges: np.ndarray, bins: int) -> np.ndarray:
@@ -55,17 +55,20 @@ def _bin_pieces(flat: torch.Tensor, bins: int, edges: np.ndarray, counts: torch.
     lo, hi = float(edges[0]), float(edges[1])
     multiply, divisor = _bin_scale(float(edges[1] - edges[0]), bins)  # the width in float32, as histc's
     spread, index = buffers
-    ends = []
+    lows, highs = [], []
     for start in range(0, flat.numel(), PIECE):
         piece = flat[start:start + PIECE]
-        ends.append(torch.stack(torch.aminmax(piece)))  # NaN when the piece holds one
+        low, high = torch.aminmax(piece)  # NaN when the piece holds one
+        lows.append(low)
+        highs.append(high)
         k = piece.numel()
         scaled = torch.sub(piece, lo, out=spread[:k])
         (scaled.mul_(bins) if multiply else scaled).div_(divisor)
         index[:k].copy_(scaled).clamp_(0, bins)  # the copy truncates
         counts += torch.bincount(index[:k], minlength=bins + 1)
-    low, high = torch.stack(ends).unbind(1)
-    return (low.amin() >= lo) & (high.amax() <= hi)
+    if len(lows) > 1:  # most gradients fit in one piece: no stack, no reduction of one value
+        low, high = torch.stack(lows).amin(), torch.stack(highs).amax()
+    return (low >= lo) & (high <= hi)
 
 
 def _bin_scale(width: float, bins: int) -> tuple[bool, float]:

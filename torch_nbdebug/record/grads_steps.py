@@ -50,8 +50,9 @@ class Bucket:
     """Parameters whose samples are padded to one ``width`` (a power of two, at least ``_MIN_WIDTH``),
     laid out as a dense ``[len(positions), width]`` block of a captured sample from ``start`` on."""
 
-    def __init__(self, positions: list[int], k: torch.Tensor, width: int, start: int) -> None:
+    def __init__(self, positions: list[int], k: torch.Tensor, width: int, start: int, padded: bool = True) -> None:
         self.positions, self.width, self.start = positions, width, start
+        self.padded = padded  # False: every row is ``width`` long, ``fill`` all zeros
         self.stop = start + len(positions) * width
         inside = torch.arange(width, device=k.device)[None, :] < k[:, None]  # [g, width]; k: the rows' lengths
         # added before a max: padding never wins (float32 whatever the default dtype, as the samples)
@@ -111,7 +112,8 @@ class Layout:
         self.buckets: list[Bucket] = []
         start = row = 0
         for width, positions in sorted(widths.items(), reverse=True):
-            self.buckets.append(Bucket(positions, k_ordered[row:row + len(positions)], width, start))
+            padded = any(self.lengths[j] < width for j in positions)
+            self.buckets.append(Bucket(positions, k_ordered[row:row + len(positions)], width, start, padded))
             start, row = self.buckets[-1].stop, row + len(positions)
         self.size = start  # elements of one captured sample, padding included
         self.order_index = None if self.order == list(range(n)) else order_index
@@ -208,17 +210,20 @@ class Sampler:
 
 class Chunk:
     """Rows allocated ahead for the samples of steps sharing one layout: a step's gradient sample is
-    written into a row of ``x``, the weights' before and after the step into ``w``. A flush then
-    reduces a slice of these buffers rather than a stack of per-step copies, and a long recording
-    writes into the same memory again (a flushed chunk is reused) rather than allocating three
-    samples per step, whose fresh pages a CPU faults in one by one. float32 whatever the default
-    dtype: ``cat(out=)`` casts the samples to the buffer's dtype."""
+    written into a row of ``x``, the weights' before and after the step into the two rows of ``w``
+    (reused at every step: :func:`update_squares` reduces them as soon as the step is over). A flush
+    then reduces a slice of ``x`` rather than a stack of per-step copies, and a long recording writes
+    into the same memory again (a flushed chunk is reused) rather than allocating a sample per step,
+    whose fresh pages a CPU faults in one by one (a few microseconds each). float32 whatever the
+    default dtype: ``cat(out=)`` casts the samples to the buffer's dtype."""
 
     def __init__(self, layout: Layout, capacity: int) -> None:
         self.layout, self.capacity, self.used = layout, capacity, 0
         self.x = torch.empty(capacity, layout.size, dtype=torch.float32, device=layout.device)
-        self.w: Optional[torch.Tensor] = None  # [2, capacity, size]: allocated at the first optimizer step
-        self.elements = 3 * capacity * layout.size  # x and w, w counted before it is allocated
+        self.w: Optional[torch.Tensor] = None  # [2, size]: allocated at the first optimizer step
+        # What the recorder's memory bound counts: x and two weight rows per step, as when every step
+        # kept its weights' samples (the recorder flushes at the same steps; w holds fewer since).
+        self.elements = 3 * capacity * layout.size
 
     def take(self) -> int:
         """The next free row (the caller checks ``used < capacity``)."""
@@ -227,7 +232,7 @@ class Chunk:
 
     def weights(self) -> torch.Tensor:
         if self.w is None:
-            self.w = torch.empty(2, self.capacity, self.layout.size, dtype=torch.float32, device=self.layout.device)
+            self.w = torch.empty(2, self.layout.size, dtype=torch.float32, device=self.layout.device)
         return self.w
 
 
@@ -296,14 +301,22 @@ class Chunks:
         self.chunks, self.current, self.previous = [], None, None
 
 
-def stacked(rows: list[dict[str, Any]], key: str) -> torch.Tensor:
-    """The rows' ``key`` samples (``x``, ``before``, ``after``) as one ``[S, size]`` tensor: a slice of
-    their chunk when they are its consecutive rows (no copy), else a stack."""
+def stacked(rows: list[dict[str, Any]]) -> torch.Tensor:
+    """The rows' gradient samples as one ``[S, size]`` tensor: a slice of their chunk when they are
+    its consecutive rows (no copy), else a stack."""
     chunk, slot = rows[0].get("chunk"), rows[0].get("slot", 0)
     if chunk is not None and all(r.get("chunk") is chunk and r.get("slot") == slot + k for k, r in enumerate(rows)):
-        buffer = chunk.x if key == "x" else chunk.weights()[int(key == "after")]
-        return buffer[slot:slot + len(rows)]
-    return torch.stack([r[key] for r in rows])
+        return chunk.x[slot:slot + len(rows)]
+    return torch.stack([r["x"] for r in rows])
+
+
+def update_squares(layout: Layout, weights: torch.Tensor) -> torch.Tensor:
+    """``[2, n]`` (block order): ‖w‖² and ‖Δw‖² of each parameter's sample, from ``weights``
+    ``[2, size]``, the samples before and after a step (overwritten). Right after the step: its
+    two rows are then free for the next step, and a flush reduces ``n`` numbers per step, not two samples."""
+    weights[1].sub_(weights[0])
+    weights.square_()  # padding 0 in both
+    return torch.cat([b.block(weights).sum(-1) for b in layout.buckets], 1)  # float32: pairwise
 
 
 def sampled_rows(params: list[torch.nn.Parameter], layout: Layout, sampler: Sampler,
@@ -337,7 +350,7 @@ def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = 
     rows again without ``finite``, their numbers here being wrong. ``ratios=False``: no update ratios
     (NaN), for rows whose ratios are known already (and whose weights' samples are spent)."""
     layout: Layout = rows[0]["layout"]
-    x = stacked(rows, "x")  # [S, size]: the blocks of every step
+    x = stacked(rows)  # [S, size]: the blocks of every step
     blocks = [(_finite_sums if finite else _block_sums)(b.block(x), b.fill) for b in layout.buckets]
     cols = torch.cat(blocks, 1).index_select(1, layout.unorder).double()  # [S, n, 8] in present order
     abs_sum, nonzero, n_pos, n_neg, n_nan, total, lo, hi = (*cols.unbind(2)[:6], -cols[:, :, 6], cols[:, :, 7])
@@ -402,20 +415,16 @@ def _no_ratios(steps: int, layout: Layout) -> torch.Tensor:
 
 
 def _update_ratios(rows: list[dict[str, Any]], layout: Layout) -> torch.Tensor:
-    """‖Δw‖/‖w‖ per parameter from the samples of w before and after the step (NaN without a step)."""
-    stepped = [r for r in rows if "after" in r]
+    """‖Δw‖/‖w‖ per parameter from the samples of w before and after the step (NaN without a step),
+    their squares summed at the step (:func:`update_squares`)."""
+    stepped = [r["squares"] for r in rows if "squares" in r]
     if not stepped:
         return _no_ratios(len(rows), layout)
     none = _no_ratios(1, layout)[0]
-    # [T, size]; padding 0 in both; written in place: the chunk's rows (or stacked copies) are used once
-    before, moved = stacked(stepped, "before"), stacked(stepped, "after")
-    moved.sub_(before).square_()
-    before.square_()
-    sums = [torch.cat([b.block(t).sum(-1) for b in layout.buckets], 1) for t in (moved, before)]  # float32: pairwise
-    moved, size = torch.stack(sums).index_select(2, layout.unorder).double().sqrt_().unbind(0)
+    size, moved = torch.stack(stepped, 1).index_select(2, layout.unorder).double().sqrt_().unbind(0)
     ratios = iter((moved / size).unbind(0))
     # Rows picked in Python, not by a list index: that index would be copied to the device first.
-    return torch.stack([next(ratios) if "after" in r else none for r in rows])
+    return torch.stack([next(ratios) if "squares" in r else none for r in rows])
 
 
 def _histograms(x: torch.Tensor, wanted: list[int], layout: Layout, lo: torch.Tensor,
@@ -446,9 +455,13 @@ def _block_counts(x: torch.Tensor, bucket: Bucket, lo: torch.Tensor, width: torc
     equal to the top (folded into the last bin, as ``histc`` does), ``bins + 1`` the non-finite
     values and the padding (at -inf); no clamp, no mask."""
     h, g = x.shape[0], x.shape[1]
-    spread = torch.add(x, bucket.fill).sub_(lo[..., None]).div_(width[..., None]).mul_(bins)  # in place: see _block_sums
+    # in place: see _block_sums; the padding (if any) at -inf, in the spare bin
+    shifted = torch.add(x, bucket.fill).sub_(lo[..., None]) if bucket.padded else torch.sub(x, lo[..., None])
+    spread = shifted.div_(width[..., None]).mul_(bins)
     offsets = bucket.bin_offsets(h, bins + 2)
-    index = spread.nan_to_num_(bins + 1, bins + 1, bins + 1).floor_().to(offsets.dtype).add_(offsets).view(-1)
+    # No floor: every finite spread is >= 0 (lo is at most the row's least finite value, width >= 0),
+    # and the cast truncates it as floor would.
+    index = spread.nan_to_num_(bins + 1, bins + 1, bins + 1).to(offsets.dtype).add_(offsets).view(-1)
     counts = _count(index, h * g * (bins + 2)).view(h, g, bins + 2)
     return torch.cat([counts[:, :, :bins - 1], counts[:, :, bins - 1:bins + 1].sum(2, keepdim=True)], 2)
 

@@ -25,7 +25,7 @@ Imports nothing but the standard library.
 """
 from __future__ import annotations
 
-import signal
+import _signal
 import sys
 import threading
 import weakref
@@ -135,13 +135,15 @@ class deferred_interrupts:
         self._previous: Any = None
         self._held: Optional[tuple[int, Optional[FrameType]]] = None
 
+    # ``_signal`` is what ``signal`` wraps: the same handlers, without the enum conversions of every
+    # call (this block runs twice per watch, and a one-step cell starts and stops a watch per step).
     def __enter__(self) -> "deferred_interrupts":
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != threading.main_thread().ident:
             return self
-        previous = signal.getsignal(signal.SIGINT)
+        previous = _signal.getsignal(_signal.SIGINT)
         if callable(previous):
             self._held = None
-            signal.signal(signal.SIGINT, self._hold)
+            _signal.signal(_signal.SIGINT, self._hold)
             self._previous = previous
         return self
 
@@ -152,7 +154,7 @@ class deferred_interrupts:
         previous, self._previous = self._previous, None
         if previous is None:
             return
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(_signal.SIGINT, previous)
         held, self._held = self._held, None
         if held is not None and exc_type is None and sys.exc_info()[0] is None:
             previous(*held)  # Python's default handler raises KeyboardInterrupt, here

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import sys
 import time
-import types
 import weakref
-from operator import attrgetter
-from typing import AbstractSet, Any, Callable, Mapping, Optional
+from typing import AbstractSet, Any, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -45,24 +43,17 @@ from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap, deferred_i
 from torch_nbdebug.record.memory_holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import builds_graph, input_storage_keys, tensors_in
+from torch_nbdebug.record.memory_ops import (
+    DTYPE_NAMES, builds_graph, dtype_name, input_storage_keys, on_device_test, tensors_in,
+)
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.source import line_of, user_frame
+from torch_nbdebug.record.source import line_of, user_position
 
 PARAM, GRAD, OPT, ACT, TEMP, OTHER = range(len(CATEGORIES))
 IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
 _CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
 _NO_KEYS: frozenset[Optional[int]] = frozenset()
-
-
-def _on_device_test(device_type: str) -> Callable[[torch.Tensor], bool]:
-    """A cheap "is this tensor on ``device_type``" (``tensor.device`` builds a device object per call)."""
-    if device_type in ("cpu", "cuda"):
-        return attrgetter(f"is_{device_type}")
-    return lambda tensor: tensor.device.type == device_type
+_now = time.perf_counter_ns  # event times are kept raw and made relative to the start once, at the end
 
 
 class _StorageRef(weakref.ref):
@@ -75,17 +66,17 @@ class _Record:
     """Mutable bookkeeping for one allocation while recording (frozen into an Allocation at stop)."""
 
     __slots__ = ("nbytes", "shape", "dtype", "category", "phase", "module", "line", "op", "device",
-                 "start", "end", "key", "address", "in_graph")
+                 "start", "end", "key", "address", "in_graph", "ref")
 
     def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: str, category: int, phase: int,
                  module: Optional[str], line: Optional[SourceLine], op: str, device: str, start: int,
-                 key: int) -> None:
+                 key: int, address: int) -> None:
         self.nbytes, self.shape, self.dtype, self.category, self.phase = nbytes, shape, dtype, category, phase
         self.module, self.line, self.op, self.device, self.start = module, line, op, device, start
         self.end: Optional[int] = None
-        self.key = key
-        self.address = 0
+        self.key, self.address = key, address
         self.in_graph = False  # made in forward with grad mode on: may be saved for backward
+        self.ref: Optional[_StorageRef] = None  # kept here while the storage lives: its callback must fire
 
 
 class _AllocationMode(EagerDispatchMode):
@@ -120,20 +111,20 @@ class MemoryRecorder:
         self.recording: Optional[MemoryRecording] = None
         self._records: list[_Record] = []
         self._live: dict[int, int] = {}  # storage key -> allocation id
-        self._refs: dict[int, _StorageRef] = {}
         self._log: list[int] = []  # (event code, time ns, phase) flattened: see _event
         self._iterations: list[int] = []
         self._in_optimizer = 0
         self._forward_pending = False  # graph-building forward allocations not yet classified
         self._last_phase = IDLE
-        self._line_cache: dict[tuple[types.CodeType, int], SourceLine] = {}
-        self._aliasing: dict[Any, bool] = {}  # op -> whether an output may share an input's storage
+        self._line_cache: dict[tuple[str, int, str], SourceLine] = {}
+        self._aliasing: dict[int, tuple[Any, bool]] = {}  # id(op) -> (op, may an output share an input's storage)
         self._device_names: dict[int, str] = {}  # tensor.get_device() -> "cpu", "cuda:0"...
-        self._on_device = _on_device_test(device_type)
+        self._on_device = on_device_test(device_type)
         self._exits: list[Any] = []
         self._t0 = 0
         self._tracker = ModuleTracker(namespace, on_enter=self._on_module)
         self._frees: CallbackQueue[_StorageRef] = CallbackQueue(self._on_free)
+        self._free_callback = self._frees.callback
         # The deque the callbacks append to (``callback`` is its bound ``append``): per op, testing it
         # is cheaper than calling ``drain`` on an empty queue.
         self._freed: Any = getattr(self._frees.callback, "__self__", self._frees)
@@ -150,7 +141,7 @@ class MemoryRecorder:
         self.stop()
 
     def start(self) -> None:
-        self._t0 = time.perf_counter_ns()
+        self._t0 = _now()
         self._adopt_existing()
         try:
             with deferred_interrupts():  # a Stop now is raised once everything is installed...
@@ -192,8 +183,8 @@ class MemoryRecorder:
                 self._uninstall()  # if a Stop came before the block above took effect; else a no-op
                 self.recording = self._finish()
             finally:
-                self._refs.clear()  # no callbacks after this point; nothing of the user's is kept
-                self._frees.clear()
+                self._records.clear()  # with their weak references: no callbacks after this point,
+                self._frees.clear()  # and nothing of the user's is kept
                 self._live.clear()
                 self._modules.clear()
                 self._optimizers.clear()
@@ -209,23 +200,25 @@ class MemoryRecorder:
         as pre-existing the first time an op writes to or views them (see ``_on_outputs``).
         """
         if self.scan_gc:
-            tensors, modules, optimizers = scan_objects()
-            # Remembered weakly so the end of recording needs no second pass over every object.
-            for module in modules:
-                self._modules[module] = None
-            for optimizer in optimizers:
-                self._optimizers[optimizer] = None
-            del modules, optimizers
+            found = self._scan_gc()
         else:
-            tensors = []
-            find_holders(self.namespace, on_new=lambda key, tensor: tensors.append(tensor), named=False)
+            found = []
+            find_holders(self.namespace, on_new=lambda key, tensor: found.append((key, tensor)), named=False)
         kinds = persistent_keys(*self._state_owners())
-        for tensor in tensors:
-            key = storage_key(tensor)
-            if key is None or key in self._live or tensor.device.type != self.device_type:
-                continue
-            self._track(tensor, key, _CATEGORY_INDEX[kinds.get(key, "other")], IDLE, "", -1, None, None)
-        del tensors
+        live, on_device = self._live, self._on_device
+        for key, tensor in found:
+            if key is not None and key not in live and on_device(tensor):
+                self._track(tensor, key, _CATEGORY_INDEX[kinds.get(key, "other")], IDLE, "", -1, None, None)
+
+    def _scan_gc(self) -> list[tuple[Optional[int], torch.Tensor]]:
+        """Every tensor the garbage collector tracks, with its storage key; the modules and optimizers
+        found are remembered weakly, so the end of recording needs no second pass over every object."""
+        tensors, modules, optimizers = scan_objects()
+        for module in modules:
+            self._modules[module] = None
+        for optimizer in optimizers:
+            self._optimizers[optimizer] = None
+        return [(storage_key(tensor), tensor) for tensor in tensors]
 
     def _on_outputs(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         """Record the storages an op's outputs hold that were not alive before it.
@@ -264,8 +257,9 @@ class MemoryRecorder:
                     if phase < 0:
                         phase = self._phase(node, args, kwargs)
                         line = self._user_line() if self.record_lines else None
+                    stack = self._tracker.stack  # the innermost running module
                     alloc_id = self._track(tensor, key, TEMP if phase != IDLE else OTHER, phase, func.__name__,
-                                           None, self._tracker.current, line, storage)
+                                           None, stack[-1] if stack else None, line, storage)
                     if phase == FORWARD and torch.is_grad_enabled():
                         # May be saved for backward by this op or a later one (a Linear saves its
                         # input even when that input was made without grad): decided when backward starts.
@@ -276,34 +270,32 @@ class MemoryRecorder:
 
     def _input_keys(self, func: Any, args: Any, kwargs: Any) -> AbstractSet[Optional[int]]:
         """The storages of the op's inputs when an output may share one (per its schema), else none."""
-        aliases = self._aliasing.get(func)
-        if aliases is None:
-            aliases = self._aliasing[func] = op_output_aliases_input(func)
-        return input_storage_keys((args, kwargs)) if aliases else _NO_KEYS
+        # Keyed by id (an OpOverload hashes in Python); the op is kept with its answer, so the id is its own.
+        entry = self._aliasing.get(id(func))
+        if entry is None:
+            entry = self._aliasing[id(func)] = (func, op_output_aliases_input(func))
+        return input_storage_keys((args, kwargs)) if entry[1] else _NO_KEYS
 
     def _track(self, tensor: torch.Tensor, key: int, category: int, phase: int, op: str,
                start: Optional[int], module: Optional[str], line: Optional[SourceLine],
                storage: Any = None) -> int:
         if storage is None:
             storage = tensor.untyped_storage()
-        alloc_id = len(self._records)
-        dtype = _DTYPE_NAMES.get(tensor.dtype)
-        if dtype is None:
-            dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
-        device = self._device_names.get(tensor.get_device())
-        if device is None:
-            device = self._device_names[tensor.get_device()] = str(tensor.device)
-        record = _Record(storage.nbytes(), tuple(tensor.shape), dtype,
-                         category, phase, module, line, op, device, -1 if start is None else start, key)
-        record.address = storage.data_ptr()
+        records = self._records
+        alloc_id = len(records)
+        dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
+        device = self._device_names.get(tensor.get_device()) or self._device_names.setdefault(
+            tensor.get_device(), str(tensor.device))
+        record = _Record(storage.nbytes(), tuple(tensor.shape), dtype, category, phase, module, line, op, device,
+                         -1 if start is None else start, key, storage.data_ptr())
         # One change at a time, in an order that a Stop landing between any two leaves consistent:
         # no event names a missing record, no free callback a record without its allocation.
-        self._records.append(record)
+        records.append(record)
         if start is None:
             record.start = self._event(alloc_id, phase)
-        ref = _StorageRef(storage, self._frees.callback)
+        ref = _StorageRef(storage, self._free_callback)
         ref.alloc_id = alloc_id
-        self._refs[key] = ref
+        record.ref = ref
         self._live[key] = alloc_id
         return alloc_id
 
@@ -315,13 +307,14 @@ class MemoryRecorder:
             return
         record.end = self._event(-(ref.alloc_id + 1), self._last_phase)
         del self._live[record.key]
-        self._refs.pop(record.key, None)
+        record.ref = None
 
     def _event(self, code: int, phase: int) -> int:
         # One extend of a flat list: a Stop cannot leave an event without its time or phase.
-        self._log.extend((code, time.perf_counter_ns() - self._t0, phase))
+        log = self._log
+        log.extend((code, _now(), phase))
         self._last_phase = phase
-        return len(self._log) // 3 - 1
+        return len(log) // 3 - 1
 
     def _phase(self, node: Any, args: Any, kwargs: Any) -> int:
         """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
@@ -349,21 +342,28 @@ class MemoryRecorder:
         record = self._records[alloc_id]
         record.category = min(record.category, category)  # parameters > gradients > ... > other
 
-    def _classify_tensor(self, tensor: Optional[torch.Tensor], category: int) -> None:
-        if tensor is None:
-            return
-        alloc_id = self._live.get(storage_key(tensor) or -1)
-        if alloc_id is not None:
-            self._classify(alloc_id, category)
+    def _classify_tensors(self, tensors: Iterable[Any], category: int) -> None:
+        """Classify the allocations of these tensors (anything else, like a missing grad, is skipped):
+        one call per hook, not per tensor, as the hooks pass hundreds of them."""
+        live = self._live
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            try:  # storage_key without a Python call per tensor, as in _on_outputs
+                alloc_id = live.get(storage_id_of(tensor.untyped_storage()))
+            except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                continue  # no plain storage
+            if alloc_id is not None:
+                self._classify(alloc_id, category)
 
     def _user_line(self) -> Optional[SourceLine]:
-        frame = user_frame(sys._getframe(1))
-        if frame is None:
+        # What line_of reads, as the key: strings hash from a cache (a code object hashes its contents).
+        key = user_position(sys._getframe(1))
+        if key is None:
             return None
-        key = (frame.f_code, frame.f_lineno)
         line = self._line_cache.get(key)
         if line is None:
-            line = self._line_cache[key] = line_of(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+            line = self._line_cache[key] = line_of(*key)
         return line
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -373,76 +373,79 @@ class MemoryRecorder:
             self._modules[module] = None
             if self._last_phase != FORWARD or not self._iterations:
                 self._iterations.append(len(self._log) // 3)
-        for param in module._parameters.values():
-            self._classify_tensor(param, PARAM)
+        self._classify_tensors(module._parameters.values(), PARAM)
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._frees.drain()
         self._in_optimizer += 1
         self._optimizers[optimizer] = None
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                self._classify_tensor(param, PARAM)
-                self._classify_tensor(param.grad, GRAD)
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        self._classify_tensors(params, PARAM)
+        self._classify_tensors((param.grad for param in params), GRAD)
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._frees.drain()
         self._in_optimizer = max(0, self._in_optimizer - 1)
-        for state in list(optimizer.state.values()):
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    self._classify_tensor(value, OPT)
+        self._classify_tensors((value for state in list(optimizer.state.values()) for value in list(state.values())),
+                               OPT)
 
     # -- result --------------------------------------------------------------------------------
     def _finish(self) -> MemoryRecording:
         """Classify what survived by the model/optimizer state, name holders, freeze the data."""
         self._frees.drain()
-        duration = (time.perf_counter_ns() - self._t0) / 1e9
+        duration = (_now() - self._t0) / 1e9
         if self._forward_pending:
             self._promote_saved()
         kinds = persistent_keys(*self._state_owners())
-        holders = find_holders(self.namespace, on_new=self._adopt_unseen)
+        holders = find_holders(self.namespace, on_new=self._adopt_unseen, known=self._live)
         for key in holders.name_saved():
             alloc_id = self._live.get(key)
             if alloc_id is not None:
                 self._classify(alloc_id, ACT)  # saved for backward by a held graph, wherever it was made
-        allocations = tuple(self._freeze(i, r, kinds, holders) for i, r in enumerate(self._records))
+        allocations = self._freeze(kinds, holders)
         log = np.asarray(self._log, dtype=np.int64).reshape(-1, 3)
         return MemoryRecording(
             device=self.device_type, allocations=allocations,
             events=np.ascontiguousarray(log[:, 0]),
-            event_time_ns=np.ascontiguousarray(log[:, 1]),
+            event_time_ns=log[:, 1] - self._t0,
             event_phase=log[:, 2].astype(np.int8),
             iteration_starts=tuple(self._iterations), duration_s=duration)
 
     def _adopt_unseen(self, key: int, tensor: torch.Tensor) -> None:
         """A tensor the namespace holds that no op produced (``torch.from_numpy``, made by C++ code we
         cannot see): it appeared during the block, so it is counted from the last event on."""
-        if key not in self._live and tensor.device.type == self.device_type:
+        if key not in self._live and self._on_device(tensor):
             self._track(tensor, key, OTHER, IDLE, "(made outside torch ops)", None, None, None)
 
     def _state_owners(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
         """Modules and optimizers alive at the start, run or stepped during recording, or in the namespace."""
-        modules = [sub for m in list(self._modules.keys()) for sub in m.modules()]
-        optimizers = list(self._optimizers.keys())
+        # Keyed by id: the model that ran is usually in the namespace too, and is read once.
+        modules = {id(sub): sub for m in list(self._modules.keys()) for sub in m.modules()}
+        optimizers = {id(opt): opt for opt in list(self._optimizers.keys())}
         for value in list((self.namespace or {}).values()):
             if isinstance(value, torch.nn.Module):
-                modules.extend(value.modules())
+                modules.update((id(sub), sub) for sub in value.modules())
             elif isinstance(value, torch.optim.Optimizer):
-                optimizers.append(value)
-        return modules, optimizers
+                optimizers.setdefault(id(value), value)
+        return list(modules.values()), list(optimizers.values())
 
-    def _freeze(self, alloc_id: int, r: _Record, kinds: dict[int, str], holders: Any) -> Allocation:
-        category, holder, has_graph = r.category, None, False
-        if r.end is None:  # alive at the end: the training state it belongs to, and who holds it
-            if r.key in kinds:
-                category = min(category, _CATEGORY_INDEX[kinds[r.key]])
-            holder, has_graph = holders.names.get(r.key), bool(holders.graphs.get(r.key, False))
-        # Field order: id, nbytes, shape, dtype, category, phase, start, end, module, line, op, device,
-        # holder, has_graph, address.
-        return Allocation.from_values(alloc_id, r.nbytes, r.shape, r.dtype, CATEGORIES[category], PHASES[r.phase],
-                                      r.start, r.end, r.module, r.line, r.op, r.device, holder, has_graph,
-                                      r.address)
+    def _freeze(self, kinds: dict[int, str], holders: Any) -> tuple[Allocation, ...]:
+        """Every record as an Allocation; one alive at the end takes the training state it belongs to
+        and its holder. One loop without a call per row but the row's own: recorders freeze thousands."""
+        build, names, graphs = Allocation.from_values, holders.names, holders.graphs
+        rows = []
+        for alloc_id, r in enumerate(self._records):
+            category, holder, has_graph = r.category, None, False
+            if r.end is None:
+                kind = kinds.get(r.key)
+                if kind is not None:
+                    category = min(category, _CATEGORY_INDEX[kind])
+                holder, has_graph = names.get(r.key), bool(graphs.get(r.key, False))
+            # Field order: id, nbytes, shape, dtype, category, phase, start, end, module, line, op, device,
+            # holder, has_graph, address.
+            rows.append(build(alloc_id, r.nbytes, r.shape, r.dtype, CATEGORIES[category], PHASES[r.phase],
+                              r.start, r.end, r.module, r.line, r.op, r.device, holder, has_graph, r.address))
+        return tuple(rows)
 
     # -- live progress (read-only) -----------------------------------------------------------
     def progress(self) -> tuple[float, tuple[int, ...]]:

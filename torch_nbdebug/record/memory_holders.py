@@ -11,7 +11,7 @@ import gc
 import types
 from collections import deque
 from itertools import islice
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Container, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -39,10 +39,12 @@ MAX_GRAPH_NODES = 20_000
 class Holders:
     """Storage key -> (name, has_graph) of the first (shortest) reference found in the namespace."""
 
-    def __init__(self, on_new: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+    def __init__(self, on_new: Optional[Callable[[int, torch.Tensor], None]] = None,
+                 known: Container[int] = ()) -> None:
         self.names: dict[int, str] = {}
         self.graphs: dict[int, bool] = {}
         self._on_new = on_new
+        self._known = known
         self._graph_roots: list[tuple[str, Any]] = []  # (holder name, grad_fn); dropped by name_saved
 
     def add(self, key: Optional[int], name: str, tensor: torch.Tensor) -> None:
@@ -53,7 +55,7 @@ class Holders:
         self.graphs[key] = grad_fn is not None
         if grad_fn is not None:
             self._graph_roots.append((name, grad_fn))
-        if self._on_new is not None and _countable(tensor):
+        if self._on_new is not None and key not in self._known and _countable(tensor):
             self._on_new(key, tensor)
 
     def get(self, key: int) -> Optional[str]:
@@ -114,17 +116,19 @@ def _saved_tensors(node: Any) -> list[torch.Tensor]:
 
 
 def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX_DEPTH,
-                 on_new: Optional[Callable[[int, torch.Tensor], None]] = None, named: bool = True) -> Holders:
+                 on_new: Optional[Callable[[int, torch.Tensor], None]] = None, named: bool = True,
+                 known: Container[int] = ()) -> Holders:
     """Name the holder of every tensor reachable from ``namespace`` (public names, then ``Out``).
 
     ``on_new(key, tensor)`` is called once per storage found whose bytes can be counted (recorders
-    adopt tensors they never saw). An object that raises when we look inside it is skipped, and
+    adopt tensors they never saw), except for keys in ``known`` (what a recorder already tracks:
+    most of the namespace at its end). An object that raises when we look inside it is skipped, and
     named to the namespace when it is a :class:`UserNamespace` (the tools say what they skipped).
     Every container is read up to ``MAX_CHILDREN`` entries, so a list of millions of numbers costs
     no more than a short one. ``named=False`` when only the tensors matter (a recorder's start): the
     optimizer state is then named by parameter index, without mapping every parameter to its name.
     """
-    holders = Holders(on_new)
+    holders = Holders(on_new, known)
     if namespace is None:
         return holders
     view = caller_namespace(namespace)

@@ -1,11 +1,27 @@
-"""Small helpers of the memory recorder: finding tensors in op arguments."""
+"""Small helpers of the memory recorder: finding tensors in op arguments, telling their device and dtype."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from operator import attrgetter
+from typing import Any, Callable, Optional
 
 import torch
 
 from torch_nbdebug.record.tensors import storage_key
+
+DTYPE_NAMES: dict[torch.dtype, str] = {}
+"""``float32`` for ``torch.float32``: read it first, :func:`dtype_name` fills it (recorders ask per allocation)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def on_device_test(device_type: str) -> Callable[[torch.Tensor], bool]:
+    """A cheap "is this tensor on ``device_type``" (``tensor.device`` builds a device object per call)."""
+    if device_type in ("cpu", "cuda"):
+        return attrgetter(f"is_{device_type}")
+    return lambda tensor: tensor.device.type == device_type
 
 
 def input_storage_keys(args: Any) -> set[Optional[int]]:

@@ -1,11 +1,12 @@
 """The module layer of ``replay=True``: module outputs are kept by reference while a model's forward
 runs and checked together when it returns, not one by one as each module exits.
 
-A module exit only appends a :class:`Kept` entry: the output, the module path(s) and what an event or
-a replay needs (the module, its float inputs, the user's line, the iteration, the call). When the
-outermost module returns (or an in-place module is about to run, or the watch ends)
-:meth:`KeptReadings.take` computes every entry's ``[min, max, mean]`` (NaN/Inf propagate through them)
-and reads them with one transfer. The entries are then dropped, before the backward: the outputs are
+A module exit only appends a :class:`Kept` entry: the output, the module path(s), what an event or a
+replay needs (the module, its float inputs, the user's line, the iteration, the call) and the output's
+min, max and sum as 0-d tensors (NaN/Inf propagate through them), computed as the module returns, while
+the output is still in the cache (computed when the outermost call returns, every output had to come
+back from memory). When the outermost module returns (or an in-place module is about to run, or the
+watch ends) :meth:`KeptReadings.take` reads every entry's ``[min, max, mean]`` with one transfer. The entries are then dropped, before the backward: the outputs are
 kept no longer than the forward that made them (autograd keeps most of them that long anyway); an
 output that does not require grad (``no_grad``, inference) is kept by weak reference with its statistics
 computed as it is kept, and every kept entry is dropped when the outermost call raises.
@@ -31,8 +32,8 @@ _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with
 
 @dataclass(slots=True)
 class Kept:
-    """One kept module output. An output that does not require grad (``no_grad``, inference) is kept by
-    weak reference with its statistics computed at once (no host sync): autograd does not keep it, and
+    """One kept module output, with its statistics computed at once (no host sync). An output that does
+    not require grad (``no_grad``, inference) is kept by weak reference: autograd does not keep it, and
     neither do we (peak memory of generation stays the user's)."""
 
     tensor: Optional[torch.Tensor]
@@ -45,7 +46,7 @@ class Kept:
     call: Any = None  # the call's arguments and RNG state (nanwatch_replay.Call)
     version: int = -1  # the output's ``_version`` when the module returned
     ref: Any = None  # a weak output: weakref.ref of it (``tensor`` is None)
-    parts: Optional[tuple[torch.Tensor, ...]] = None  # a weak output's statistics, computed as it was kept
+    parts: tuple[torch.Tensor, ...] = ()  # min, max and sum of the output (0-d), computed as it was kept
     input_refs: Optional[tuple[Any, ...]] = None  # a weak output's float inputs, by weakref
     # shape, dtype, device, numel of the output, as torch objects (named as text only for an event)
     meta: tuple[tuple[int, ...], Any, Any, int] = ((), None, None, 0)
@@ -80,13 +81,13 @@ class KeptReadings:
 
     def output(self, t: torch.Tensor, path: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                place: Optional[Place], iteration: int, weak: bool = False, table: bool = True) -> Kept:
-        meta = (t.shape, t.dtype, t.device, t.numel())
+        meta, parts = (t.shape, t.dtype, t.device, t.numel()), stat_parts(t)
         if weak:
-            parts = stat_parts(t)
             entry = Kept(None, [path], iteration, module, (), place, version=version_of(t), ref=weakref.ref(t),
                          parts=parts, input_refs=tuple(weakref.ref(x) for x in inputs), meta=meta, table=table)
         else:
-            entry = Kept(t, [path], iteration, module, inputs, place, version=version_of(t), meta=meta, table=table)
+            entry = Kept(t, [path], iteration, module, inputs, place, version=version_of(t), meta=meta, table=table,
+                         parts=parts)
         self.entries.append(entry)
         return entry
 
@@ -100,11 +101,12 @@ class KeptReadings:
             return entries
         parts: list[torch.Tensor] = []
         for entry in entries:
-            parts += entry.parts if entry.parts is not None else stat_parts(entry.tensor)  # type: ignore[arg-type]
-        first = parts[0]
-        if all(p.dtype == first.dtype and p.device == first.device for p in parts):
+            parts += entry.parts
+        # An entry's three parts share its output's device; ``stack`` promotes mixed dtypes as ``cat`` does.
+        device = entries[0].meta[2]
+        if all(e.meta[2] == device for e in entries):
             flat = torch.stack(parts).tolist()  # one copy
-        else:  # mixed dtypes or devices: cat promotes, one transfer per device
+        else:  # several devices: one transfer per device
             flat = [v for values in read_together(parts) for v in values]
         for i, entry in enumerate(entries):
             entry.values = [flat[3 * i], flat[3 * i + 1], flat[3 * i + 2] / entry.meta[3]]

@@ -68,9 +68,6 @@ class _Side:
             return True
         return False
 
-    def shown(self) -> Optional[list[float]]:
-        return self.bad if self.bad is not None else self.last
-
 
 class _Row:
     __slots__ = ("calls", "fwd", "grad")
@@ -201,7 +198,7 @@ class LayerRecorder:
 
     def rows(self, birth_modules: set[str]) -> tuple[LayerStats, ...]:
         self.flush()
-        return tuple(_to_stats(path, row, path in birth_modules) for path, row in self._rows.items())
+        return tuple([_to_stats(path, row, path in birth_modules) for path, row in self._rows.items()])
 
     def clear(self) -> None:
         self._rows.clear()
@@ -209,16 +206,12 @@ class LayerRecorder:
 
 
 def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
-    fwd, grad = row.fwd.shown(), row.grad.shown()
-    fwd_min, fwd_max, fwd_mean = _nums(fwd)
-    grad_min, grad_max, grad_mean = _nums(grad)
-    return LayerStats(
-        module=path, calls=row.calls, fwd_min=fwd_min, fwd_max=fwd_max, fwd_mean=fwd_mean,
-        fwd_finite=None if fwd is None else row.fwd.bad is None,
-        grad_min=grad_min, grad_max=grad_max, grad_mean=grad_mean,
-        grad_finite=None if grad is None else row.grad.bad is None,
-        birth=birth,
-    )
+    # (positional, no helper per side: this runs for every row at every watch's end)
+    fwd, grad = row.fwd, row.grad
+    fwd_shown = fwd.last if fwd.bad is None else fwd.bad
+    grad_shown = grad.last if grad.bad is None else grad.bad
+    return LayerStats(path, row.calls, *_nums(fwd_shown), None if fwd_shown is None else fwd.bad is None,
+                      *_nums(grad_shown), None if grad_shown is None else grad.bad is None, birth)
 
 
 _UNSEEN = (None, None, None)
@@ -230,4 +223,6 @@ def _nums(values: Optional[list[float]]) -> tuple[Optional[float], ...]:
     if values is None:
         return _UNSEEN
     lo, hi, mean = values
+    if _isfinite(lo) and _isfinite(hi) and _isfinite(mean):
+        return tuple(values)
     return (lo if _isfinite(lo) else None, hi if _isfinite(hi) else None, mean if _isfinite(mean) else None)

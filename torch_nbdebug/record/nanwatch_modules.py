@@ -275,7 +275,7 @@ class ModuleChecks:
 
     def _keep_exit(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, last: Any,
                    others: list[torch.Tensor]) -> None:
-        """The replay's module layer: keep the output (no torch op here); :meth:`check_kept` reads it later."""
+        """The replay's module layer: keep the output (:meth:`_keep`); :meth:`check_kept` reads it later."""
         kept = self.kept
         assert kept is not None
         ctx = self.ctx
@@ -290,26 +290,33 @@ class ModuleChecks:
         container = last is not None and kept.entries and kept.entries[-1].value() is t
         main = kept.entries.pop() if container else None
         for other in others:  # the other outputs (a tuple's 2nd element, a dataclass field): births only
-            weak = not other.requires_grad
-            extra = kept.output(other, path, module, inputs, place, ctx.clock.iteration, weak, table=False)
-            extra.call = call.weakened() if weak else call
+            self._keep(other, path, module, inputs, place, call, table=False)
         if main is not None:
             kept.entries.append(main)  # last again: the next container can find it
             main.paths.append(path)  # a container returning its last child's output
             if last is not None and last[2] is not None:
                 last[2].paths.append(path)
             return
-        weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
-        entry = kept.output(t, path, module, inputs, place, ctx.clock.iteration, weak)
-        entry.call = call.weakened() if weak else call
+        entry = self._keep(t, path, module, inputs, place, call)
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
+        self._last_exit = (weakref.ref(t), None, hook, entry.version)
         if kept.full():
             with ctx.quiet():
                 ctx.flush()
+
+    def _keep(self, t: torch.Tensor, path: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+              place: Place, call: Any, table: bool = True) -> Kept:
+        """Keep one output of a module call; its statistics are computed now, while the output is still in
+        the cache (not read: :meth:`check_kept` reads every entry's together). Our ops pass no dispatch mode."""
+        weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
+        assert self.kept is not None
+        with self.ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
+            entry = self.kept.output(t, path, module, inputs, place, self.ctx.clock.iteration, weak, table)
+        entry.call = call.weakened() if weak else call
+        return entry
 
     def _bound_backlog(self) -> None:
         """Deferred statistics are read once per forward (see ``_model_done``); code without modules

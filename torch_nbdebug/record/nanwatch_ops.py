@@ -130,7 +130,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def checkable(t: Any) -> bool:
     """A dense float tensor with data: not meta, not sparse, not a subclass (FakeTensor, DTensor...)."""
-    return type(t) in _PLAIN and t.is_floating_point() and t.layout == torch.strided and t.device.type != "meta"
+    # (``is_meta`` reads a flag; ``t.device.type`` builds a device object: this runs for every output)
+    return type(t) in _PLAIN and t.is_floating_point() and t.layout == torch.strided and not t.is_meta
 
 
 def float_outputs(out: Any) -> list[torch.Tensor]:

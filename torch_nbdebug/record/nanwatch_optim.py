@@ -64,6 +64,8 @@ def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
 
 def by_tensor(groups: list[list[int]], values: list[float]) -> list[float]:
     """The norms read for :func:`norm_groups` (concatenated in group order), back in tensor order."""
+    if len(groups) == 1 and groups[0] == list(range(len(values))):  # the usual single group: in order
+        return list(values)
     found = [0.0] * sum(len(indices) for indices in groups)
     flat = iter(values)
     for indices in groups:
@@ -171,6 +173,8 @@ class OptimizerWatch:
         non-finite parameter, confirmed, is a birth unless known already."""
         self.lrs.stepped(record.key, [lr for lr, _ in record.settings], record.step)
         norms = by_tensor(groups, values)
+        if all(map(math.isfinite, norms[:len(record.entries)])):
+            return  # the usual step: every parameter finite (the loop below looks only at the others)
         grad_norms = iter(norms[len(record.entries):])
         for k, (g, i, p) in enumerate(record.entries):
             grad, grad_norm = None, None

@@ -306,3 +306,20 @@ def caller_frame() -> Optional[types.FrameType]:
 def _is_ours(frame: types.FrameType) -> bool:
     name = frame.f_globals.get("__name__")
     return isinstance(name, str) and (name == "torch_nbdebug" or name.startswith("torch_nbdebug."))
+
+
+def user_position(start: Optional[types.FrameType]) -> Optional[tuple[str, int, str]]:
+    """``(filename, lineno, function)`` of :func:`user_frame`'s frame (what :func:`line_of` takes), or
+    None. For recorders that ask once per allocation: the per-file answer is read from
+    :func:`is_user_code`'s cache inline, one dictionary lookup per frame walked instead of a call."""
+    cache = _is_user_cache
+    frame = start
+    while frame is not None:
+        code = frame.f_code
+        user = cache.get(code.co_filename)
+        if user is None:
+            user = is_user_code(code)
+        if user:
+            return code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+    return None
