@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_nanwatch.py --models gpt2 small   # the two columns of issue 11
     .venv/bin/python bench/bench_nanwatch.py --quick    # fewer repeats, shorter sequence
     .venv/bin/python bench/bench_nanwatch.py --models gpt2 --threads 1 --repeats 7
+    .venv/bin/python bench/bench_nanwatch.py --models small --steps 10   # the watch left on over a 10-step loop
 
 Every timed call is one full step (zero_grad, forward, loss, backward, optimizer.step) under the
 named watcher, which is entered and left inside the timing (as a %%nanwatch cell would). Modes are
@@ -82,9 +83,11 @@ def watchers(namespace: dict[str, Any]) -> dict[str, Callable[[], ContextManager
 
 
 def run_case(name: str, device: str, repeats: int, warmup: int, quick: bool,
-             sync: Callable[[], None] = lambda: None) -> dict[str, Summary]:
+             sync: Callable[[], None] = lambda: None, steps: int = 1) -> dict[str, Summary]:
     """Median wall, median CPU and best CPU seconds per mode. With one thread, CPU time is robust to
-    a busy machine (others' work inflates our wall clock, not our CPU time; noise only adds to it)."""
+    a busy machine (others' work inflates our wall clock, not our CPU time; noise only adds to it).
+    ``steps``: training steps per timed call, all inside one watch (a cell with a training loop);
+    the summaries are per call."""
     torch.manual_seed(0)
     model, loss_fn = CASES[name](device, quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -94,7 +97,8 @@ def run_case(name: str, device: str, repeats: int, warmup: int, quick: bool,
         # The watcher is entered and left inside the timing, as a %%nanwatch cell would do it.
         def watched() -> Any:
             with modes[mode]() as report:
-                training_step(opt, lambda: loss_fn(model))
+                for _ in range(steps):
+                    training_step(opt, lambda: loss_fn(model))
             return report
         report = timings.time(mode, watched)
         if report is not None and getattr(report, "events", ()):
@@ -111,31 +115,38 @@ def run_case(name: str, device: str, repeats: int, warmup: int, quick: bool,
     return timings.summaries()
 
 
-def report(name: str, results: dict[str, Summary]) -> None:
+def report(name: str, results: dict[str, Summary], steps: int = 1) -> None:
     plain = results["plain"]
     print(f"\n{name}: step time and ratio to the plain step "
-          "(median wall clock | median process CPU time | best process CPU time)")
+          "(median wall clock | median process CPU time | best process CPU time)"
+          + (f", {steps} steps per watch, time per step" if steps > 1 else ""))
     for mode, s in results.items():
-        print(f"  {mode:16s} {s.wall * 1e3:9.1f} ms {s.wall / plain.wall:5.2f}x | {s.cpu * 1e3:9.1f} ms"
-              f" {s.cpu / plain.cpu:5.2f}x | {s.cpu_min * 1e3:9.1f} ms {s.cpu_min / plain.cpu_min:5.2f}x")
+        print(f"  {mode:16s} {s.wall / steps * 1e3:9.1f} ms {s.wall / plain.wall:5.2f}x | {s.cpu / steps * 1e3:9.1f} ms"
+              f" {s.cpu / plain.cpu:5.2f}x | {s.cpu_min / steps * 1e3:9.1f} ms {s.cpu_min / plain.cpu_min:5.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed steps per mode (median taken)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per mode (median taken)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and a shorter GPT sequence")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="training steps inside each watch (default 1, the issue-11 table: a one-step cell pays "
+                         "the watch's start and stop at every step; 10: a cell with a training loop, the watch left on)")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 9)
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {repeats} interleaved repeats per mode")
     results = {}
     for name in args.models:
         reps = repeats if name == "gpt2" else repeats * 3
-        results[name] = run_case(name, "cpu", reps, warmup=1, quick=args.quick)
-        report(name, results[name])
-    print("\nmedian process CPU time, ratio to the plain step (the issue-11 table):")
+        results[name] = run_case(name, "cpu", reps, warmup=1, quick=args.quick, steps=args.steps)
+        report(name, results[name], args.steps)
+    table = "the issue-11 table" if args.steps == 1 else f"{args.steps} steps per watch"
+    print(f"\nmedian process CPU time, ratio to the plain step ({table}):")
     print(f"  {'':16s}" + "".join(f"{name:>10s}" for name in results))
     for mode in next(iter(results.values())):
         print(f"  {mode:16s}" + "".join(f"{r[mode].cpu / r['plain'].cpu:9.2f}x" for r in results.values()))

@@ -14,6 +14,7 @@ from host_syncs import counting_host_syncs, plain_syncs, setup, step
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.data.grads import FIELDS
 from torch_nbdebug.record import grads as rec_mod
+from torch_nbdebug.record import grads_steps
 
 
 @pytest.mark.parametrize("steps", [1, 3, 10])
@@ -154,3 +155,40 @@ def test_a_flush_reduces_again_in_full_only_the_steps_holding_a_nan(monkeypatch:
     np.testing.assert_array_equal(flushed.hist, once.hist)  # type: ignore[attr-defined]
     w = flushed.layer(0, 1).param("weight")  # type: ignore[attr-defined]
     assert (w.nan, w.inf, w.zeros) == (1, 2, 3) and sum(w.hist.counts) == 9
+
+
+def test_the_end_reduces_as_finite_and_a_nan_step_again_within_its_two_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sampled gradients the exact last step always takes a second copy: the kept steps are
+    reduced as finite at the end (a third of the passes) and only a step holding a NaN is reduced
+    again in full, for that second copy (none of its own); its numbers are those of a full reduction."""
+    full = grads_steps._block_sums
+    rows_in_full: list[int] = []
+
+    def counted(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        rows_in_full.append(x.shape[0])
+        return full(x, fill)
+
+    def run(nan_at: int, **options: object) -> tuple[object, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))  # 8192 weights: sampled
+        steps = iter(range(3))  # backward passes only: the NaN stays in its step (an update would spread it)
+        spike = torch.zeros(8, 128)
+        spike[2, 5] = math.nan
+        model[1].weight.register_hook(lambda g: g + spike if next(steps) == nan_at else g)  # whole: 1024
+        with counting_host_syncs() as counted_copies:
+            with record_gradients(model, bins=8, **options) as rec:  # type: ignore[arg-type]
+                for _ in range(3):
+                    model.zero_grad()
+                    model(torch.randn(4, 64)).sum().backward()
+        return rec.trace, counted_copies.count
+
+    _, clean_copies = run(nan_at=-1)
+    monkeypatch.setattr(grads_steps, "_block_sums", counted)
+    dirty, dirty_copies = run(nan_at=1)
+    assert dirty_copies == clean_copies  # the NaN step rode the exact last step's second copy
+    assert rows_in_full and set(rows_in_full) == {1}  # that step alone, reduced in full
+    reference, _ = run(nan_at=1, exact_last=False)  # the end without a job: every step reduced in full
+    np.testing.assert_array_equal(dirty.stats[:2], reference.stats[:2])  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(dirty.hist[:2], reference.hist[:2])  # type: ignore[attr-defined]
+    w = dirty.layer(1, 1).param("weight")  # type: ignore[attr-defined]
+    assert w.nan == 1 and w.exact and dirty.exact[-1].all()  # type: ignore[attr-defined]

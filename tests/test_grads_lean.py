@@ -3,7 +3,6 @@ each step into two rows, quiet layers flagged without a call each, unpadded bloc
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import numpy as np
 import pytest
@@ -14,6 +13,8 @@ from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.data.grads import FIELD
 from torch_nbdebug.process import grads as process
 from torch_nbdebug.record import grads_steps
+
+from grads_chunks import live_chunks
 
 
 def _train(model: nn.Module, steps: int, **kwargs: object) -> object:
@@ -31,14 +32,7 @@ def _train(model: nn.Module, steps: int, **kwargs: object) -> object:
 def test_the_weights_samples_of_every_step_take_two_rows_of_a_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each step's weights, before and after, are reduced when the step ends: a chunk holds two rows of
     them whatever its number of steps (it held two per step: memory a CPU faults in page by page)."""
-    made: "list[weakref.ref[grads_steps.Chunk]]" = []
-
-    class Counted(grads_steps.Chunk):
-        def __init__(self, layout: grads_steps.Layout, capacity: int) -> None:
-            super().__init__(layout, capacity)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr(grads_steps, "Chunk", Counted)
+    made = live_chunks(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 200), nn.Linear(200, 4))  # 6400 weights: sampled
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

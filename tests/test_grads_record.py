@@ -17,6 +17,8 @@ from torch_nbdebug.record import grads as rec_mod
 from torch_nbdebug.record import grads_steps
 from torch_nbdebug.record.grads_steps import sample_indices
 
+from grads_chunks import live_chunks
+
 
 class Reordered(nn.Module):
     """Registered head-first, run tail-first: forward order differs from registration order."""
@@ -399,19 +401,6 @@ def test_histogram_counts_do_not_depend_on_the_default_dtype() -> None:
     np.testing.assert_array_equal(hist, run(torch.float32))
 
 
-def _live_chunks(monkeypatch: pytest.MonkeyPatch) -> "list[weakref.ref[grads_steps.Chunk]]":
-    """Every sample chunk the recorder allocates from now on, weakly: read the live ones' bytes."""
-    made: "list[weakref.ref[grads_steps.Chunk]]" = []
-
-    class Counted(grads_steps.Chunk):
-        def __init__(self, layout: grads_steps.Layout, capacity: int) -> None:
-            super().__init__(layout, capacity)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr(grads_steps, "Chunk", Counted)
-    return made
-
-
 def _held_bytes(made: "list[weakref.ref[grads_steps.Chunk]]") -> int:
     chunks = [c for c in (r() for r in made) if c is not None]
     return sum(c.x.nbytes + (c.w.nbytes if c.w is not None else 0) for c in chunks)
@@ -452,7 +441,7 @@ def test_a_parameter_set_changing_every_step_keeps_chunk_memory_bounded(monkeypa
     The sample rows allocated ahead for the steps stay within ``_MAX_KEPT`` (a chunk of a window's rows
     for nearly every step took 3 times the bound here, and 4 GiB on a GPU), near what the steps write,
     and a bound reached flushes early with the numbers unchanged."""
-    made = _live_chunks(monkeypatch)
+    made = live_chunks(monkeypatch)
     size = 512 + 2 * 4096 + 3 * 256  # elements of one step's sample: router, two experts, biases padded
     trace, peak, sizes = _record_top_two(made, 80)
     assert sizes == {size}
@@ -476,7 +465,7 @@ def test_a_steady_parameter_set_reuses_one_chunk_within_the_bound(monkeypatch: p
     size = 1280
     monkeypatch.setattr(rec_mod, "_CPU_CHUNK", 4 * size)  # chunks of 4 rows...
     monkeypatch.setattr(rec_mod, "_MAX_KEPT", 3 * 4 * size + size)  # ...that fill the bound, weights included
-    made = _live_chunks(monkeypatch)
+    made = live_chunks(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     peak = 0
     with record_gradients(model, name="m") as rec:

@@ -375,17 +375,14 @@ def test_a_tensor_hook_in_the_loss_code_is_watched_as_the_users_backward_code() 
     assert_same(always, replayed)
 
 
-def test_after_a_step_the_gate_waits_for_a_graph_and_a_hook_registered_then_is_still_watched() -> None:
-    """After an optimizer step the backward gate is off the function-mode stack (``zero_grad``'s ``.grad``
-    reads and writes pass no Python mode); the first op that makes a graph puts it back, before the user
-    registers a hook on its output."""
-    stacks: list[int] = []
+def test_a_hook_registered_after_an_optimizer_step_is_watched_as_by_the_always_on_watch() -> None:
+    """After an optimizer step, a graph begun outside the model and a hook the user registers on it: the
+    birth in the hook is named at the hook's line, with the forward line of the op, as ``replay=False`` does."""
 
     def body(model: nn.Module) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
-        stacks.append(compat.function_stack_len())
         opt.zero_grad()
         w = torch.ones(3, requires_grad=True)
         y = w * 3  # @bw-after-step
@@ -393,10 +390,35 @@ def test_after_a_step_the_gate_waits_for_a_graph_and_a_hook_registered_then_is_s
         (model(torch.randn(2, 3)).sum() + y.sum()).backward()
 
     always, replayed = both(LossLog, body)
-    assert stacks == [0, 0]
     first = replayed.first
     assert first.lineno == line("@bw-hook-after-step") and first.forward_lineno == line("@bw-after-step")
     assert_same(always, replayed)
+
+
+class _Root(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+def test_a_weight_replaced_between_the_call_and_its_backward_is_seen_as_by_the_always_on_watch() -> None:
+    """``load_state_dict(assign=True)`` after the forward puts new Parameter objects in the model: the
+    replay check walks the model afresh, sees the weights changed since the call and does not replay
+    with them (a replay with other weights would miss the birth): the birth is reported at the model
+    call, and the note says why."""
+
+    def body(model: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        y = model(torch.randn(4, 3)).sum()
+        model.load_state_dict({k: v.detach().clone() * -1.0 for k, v in model.state_dict().items()}, assign=True)
+        y.backward()
+
+    always, replayed = both(lambda: nn.Sequential(nn.Linear(3, 3), nn.ReLU(), _Root()), body)
+    assert len(always.events) == len(replayed.events) == 2
+    assert [(e.phase, e.op) for e in always.events] == [(e.phase, e.op) for e in replayed.events]
+    assert any("its weights were changed since the call" in n for n in replayed.summary.notes)
 
 
 def test_only_a_backward_with_a_non_finite_gradient_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -863,4 +885,42 @@ def test_a_backward_birth_dropped_by_an_embeddings_padding_row_reads_as_the_alwa
 
     always, replayed = both(PaddedLookup, body)
     assert always.first.op == "SqrtBackward0" and replayed.first.forward_lineno == line("@bw-absorbed-padding")
+    assert_same(always, replayed)
+
+
+def test_a_finite_backward_asks_no_weight_without_hooks_for_its_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before each backward the replay check asks whether the model's weights have hooks of the user's: a
+    weight that never had one is passed over without reading its hook dicts one by one (``leaf_hooks``)."""
+    asked: list[torch.Tensor] = []
+    real = compat.leaf_hooks
+
+    def counted(tensor: torch.Tensor, own: tuple = ()) -> bool:
+        asked.append(tensor)
+        return real(tensor, own)
+
+    monkeypatch.setattr(compat, "leaf_hooks", counted)
+    torch.manual_seed(0)
+    model = lin()
+    hooked = model[1].bias
+    with nanwatch(replay=True, namespace={"model": model}) as report:
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+        hooked.register_hook(lambda g: g).remove()  # (an empty hook dict: asked, and found without hooks)
+        model(torch.randn(2, 3)).sum().backward()
+    assert not report.events and not report.summary.notes
+    assert len(asked) == 1 and asked[0] is hooked
+
+
+def test_a_weight_hook_added_then_removed_leaves_the_backward_replayed() -> None:
+    def make() -> nn.Module:
+        model = sqrt_model()
+        model[0].weight.register_hook(lambda g: g).remove()
+        return model
+
+    def body(model: nn.Module) -> None:
+        model(torch.randn(2, 3)).sum().backward()
+
+    always, replayed = both(make, body)
+    assert replayed.first.forward_op == "aten.sqrt.default" and replayed.first.module == "model.1"
+    assert not [n for n in replayed.summary.notes if "watched op by op" in n]
     assert_same(always, replayed)

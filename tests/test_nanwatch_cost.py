@@ -276,24 +276,34 @@ def test_a_kept_module_output_has_its_statistics_from_when_the_module_returned()
     assert entry.values == [-2.0, 4.0, 1.0]
 
 
-def test_a_model_call_lists_its_module_tree_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tree listed as the model returns serves the check before its backward (no second walk)."""
-    from torch_nbdebug.record import nanwatch_replay
+def test_a_finite_forward_builds_a_replay_call_and_finds_the_users_line_for_the_model_call_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU each module output is read as the module returns: a finite one needs no replay, so
+    neither its call's arguments nor the user's line (a stack walk) are taken; only the model call's,
+    whatever the number of modules inside it."""
+    from torch_nbdebug.record import nanwatch_events, nanwatch_replay
 
-    model, step = small_gpt_step()
-    step()
-    walks = collections.Counter()
-    walk = nanwatch_replay.module_tree
+    walk, make_call = nanwatch_events.user_frame, nanwatch_replay.Call
 
-    def counted(module: nn.Module) -> Any:
-        walks[type(module).__name__] += 1
-        return walk(module)
+    def counting(counts: collections.Counter, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
 
-    with nanwatch(namespace={"model": model}) as report:
-        step()
-        monkeypatch.setattr(nanwatch_replay, "module_tree", counted)
-        for _ in range(2):
-            step()
-        monkeypatch.setattr(nanwatch_replay, "module_tree", walk)
-    assert walks == {type(model).__name__: 2}
-    assert report.events == () and report.layers
+    by_size = {}
+    for layers in (2, 8):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(layers)])
+        x = torch.randn(4, 8)
+        counts: collections.Counter = collections.Counter()
+        with nanwatch(namespace={"model": model}) as report:
+            model(x).sum().backward()  # (the first step: the watch's own first-use work)
+            monkeypatch.setattr(nanwatch_events, "user_frame", counting(counts, "stack walks", walk))
+            monkeypatch.setattr(nanwatch_replay, "Call", counting(counts, "calls", make_call))
+            model(x).sum().backward()
+            monkeypatch.setattr(nanwatch_events, "user_frame", walk)
+            monkeypatch.setattr(nanwatch_replay, "Call", make_call)
+        assert report.events == () and len(report.layers) == 1 + 3 * layers
+        by_size[layers] = counts
+    assert by_size[2]["calls"] == 1 and by_size[2] == by_size[8], by_size

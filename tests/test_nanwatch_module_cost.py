@@ -168,9 +168,13 @@ def test_module_mode_costs_one_aminmax_and_one_sum_per_distinct_output() -> None
     assert set(extra) <= {"aminmax", "sum", "_local_scalar_dense"}  # reading a CPU scalar
 
 
-def test_kept_outputs_are_read_once_per_model_call() -> None:
-    """``replay=True``: the module outputs of a forward are read together, with one host read, when the
-    model returns (not one read per module)."""
+def test_kept_outputs_on_a_device_are_read_once_per_model_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replay=True``, outputs on a device (CUDA: the CPU stands in, its read-at-exit switched off): the
+    module outputs of a forward are read together, with one host read, when the model returns (not one
+    read per module)."""
+    from torch_nbdebug.record import nanwatch_modules
+
+    monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", False)
     model, idx = SmallGPT(), torch.randint(0, 512, (2, 16))
     with nanwatch(namespace={"model": model}) as report:
         with torch.no_grad():
@@ -180,6 +184,23 @@ def test_kept_outputs_are_read_once_per_model_call() -> None:
                     model(idx)
     assert syncs.count == 3, syncs.calls
     assert report.events == () and len(report.layers) > 10
+
+
+def test_kept_outputs_are_read_as_each_module_returns_no_more_than_module_mode_reads() -> None:
+    """``replay=True`` on a CPU reads each module output as its module returns (reading a CPU scalar is
+    no synchronisation), as ``mode="module"`` does, and nothing more when the model returns."""
+    model, idx = SmallGPT(), torch.randint(0, 512, (2, 16))
+    counts = {}
+    for mode in ("op", "module"):
+        with nanwatch(mode=mode, namespace={"model": model}) as report:
+            with torch.no_grad():
+                model(idx)  # the first call: the watch's own first-call work is not what is counted
+                with counting_host_syncs() as syncs:
+                    for _ in range(3):
+                        model(idx)
+        assert report.events == () and len(report.layers) > 10
+        counts[mode] = syncs.count
+    assert counts["op"] == counts["module"] > 0
 
 
 class _Shared(nn.Module):
@@ -277,20 +298,20 @@ def test_a_call_keeps_the_versions_its_arguments_had_when_it_started() -> None:
     assert capture((y,), {}, None).versions == (0,) and not capture((y,), {}, None).changed()
 
 
-def test_each_module_exit_walks_up_the_stack_once_and_the_model_call_has_the_users_line(
+def test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the_users_line(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A module exit reads the user's line once, the outermost one too: the model call (which names
-    backward births) has the line that called the model, with no module and no op."""
-    from torch_nbdebug.record import nanwatch_modules
+    """A finite forward reads the user's line once, at the model call's exit: the model call (which
+    names backward births) has the line that called the model, with no module and no op."""
+    from torch_nbdebug.record import nanwatch_kept
 
     walks: list[Optional[str]] = []
-    real_here = nanwatch_modules.here
+    real_here = nanwatch_kept.here
 
     def counting_here(module: Optional[str], op: Any, start: Any = None) -> Any:
         walks.append(module)
         return real_here(module, op, start if start is not None else inspect.currentframe().f_back)  # type: ignore[union-attr]
 
-    monkeypatch.setattr(nanwatch_modules, "here", counting_here)
+    monkeypatch.setattr(nanwatch_kept, "here", counting_here)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     x = torch.randn(2, 4)
     watch = nanwatch(namespace={"model": model})
@@ -299,13 +320,13 @@ def test_each_module_exit_walks_up_the_stack_once_and_the_model_call_has_the_use
         out = model(x)
         calls = list(watch._recorder.modules.model_calls.calls)
         out.sum().backward()
-    assert sorted(walks) == ["model", "model.0", "model.1"]  # one per module exit
+    assert walks == ["model"]  # finite outputs need no line: only the model call's (it names backward births)
     assert len(calls) == 1
     module, _call, _end, place = calls[0]
     assert module is model
     assert place.module is None and place.op is None
     assert (place.filename, place.lineno) == (__file__, line)
-    assert place.function == "test_each_module_exit_walks_up_the_stack_once_and_the_model_call_has_the_users_line"
+    assert place.function == "test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the_users_line"
 
 
 def test_the_exit_hook_is_never_traced_by_dynamo() -> None:
@@ -504,3 +525,19 @@ def test_a_compiled_function_called_inside_a_model_is_named() -> None:
         torch._dynamo.reset()
     notes = [n for n in report.notes if "torch.compile" in n]
     assert len(notes) == 1 and "(<lambda>)" in notes[0], report.notes
+
+
+def test_a_flush_with_one_extra_tensor_still_replays_the_queued_entries_without_flags() -> None:
+    """``defer=True``: a flush given one tensor of its own (an optimizer's norms, GradScaler's check) while
+    the queue holds an entry with no device flags (a backward node whose gradients were all written by
+    queued ops) reads them together: the entry is replayed, its held birth committed in order."""
+    from torch_nbdebug.data.nanwatch import NanEvent
+    from torch_nbdebug.record.nanwatch import NanRecorder
+    from torch_nbdebug.record.nanwatch_deferred import Pending
+
+    rec = NanRecorder(defer=True)
+    rec.log._held[7] = [NanEvent(phase="backward", op="SqrtBackward0", kind="inf")]
+    rec.deferred.pending.append(Pending("node", None, 0, (), (), (123,), (), None, 0, 7))
+    assert rec.flush([torch.tensor([1.0, 2.0])]) == [[1.0, 2.0]]
+    assert not rec.deferred.pending and not rec.log._held
+    assert [(e.phase, e.op) for e in rec.log.events] == [("backward", "SqrtBackward0")]

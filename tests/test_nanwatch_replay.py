@@ -24,6 +24,15 @@ from nanwatch_paths import both, immediate_path, marker_line  # noqa: F401 - imm
 SRC = open(__file__).read().splitlines()
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["cpu-read-at-exit", "device-read-with-the-model"])
+def read_at_exit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs both ways a kept module output is read: a CPU's, as its module returns, and
+    a device's (CUDA), with the others when the model returns (the CPU stands in)."""
+    from torch_nbdebug.record import nanwatch_modules
+
+    monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", request.param)
+
+
 def line(marker: str) -> int:
     return marker_line(SRC, marker)
 
@@ -608,3 +617,36 @@ def test_a_forward_that_raises_because_of_its_nan_still_names_the_birth(keyword:
                 model(x=x, scale=float("inf")) if keyword else model(x, float("inf"))
         found[replay] = [(e.op, e.module, e.lineno) for e in report.events]
     assert found[True] == found[False] == [("aten._softmax.default", "model", line("@replay-raise"))]
+
+
+class ScalesChildOutput(nn.Module):
+    """Writes its child's output in place after the child returned; a container returns its child's output,
+    a pair's second tensor goes non-finite (a birth only, no row of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        h.mul_(3)
+        out = self.inner(h)
+        return out, torch.log(out - 100)  # @replay-pair
+
+
+def test_the_layer_table_under_replay_shows_each_output_as_its_module_returned_it() -> None:
+    """A row's numbers are its output's when the module returned; an output written in place by the
+    parent since has none (they would be the parent's); a container shows its child's numbers."""
+    torch.manual_seed(0)
+    model, x = ScalesChildOutput(), torch.randn(3, 4)
+    with nanwatch(namespace={"model": model}) as report:
+        out, _ = model(x)
+    rows = {row.module: row for row in report.layers}
+    numbers = (out.min().item(), out.max().item(), out.sum().item() / out.numel())
+    for path in ("model.inner.0", "model.inner", "model"):
+        assert (rows[path].fwd_min, rows[path].fwd_max, rows[path].fwd_mean) == numbers
+        assert rows[path].fwd_finite is True
+    assert rows["model.fc"].fwd_min is None and rows["model.fc"].fwd_finite is None
+    assert report.first.op == "aten.log.default" and report.first.module == "model"
+    assert report.first.lineno == line("@replay-pair")

@@ -341,16 +341,26 @@ def _wrapper_code() -> Optional[types.CodeType]:
 
 
 def compiled_callables(frame: Optional[types.FrameType], limit: int = 64) -> Iterator[Any]:
-    """The callables that torch.compile wrapped, for each compiled call on the stack above ``frame``."""
+    """The callables that torch.compile wrapped, for each compiled call on the stack above ``frame`` (a
+    module forward pre-hook's caller), up to the call of the module that encloses this one: the compiled
+    calls above it were found when its own pre-hook ran. At top level (no enclosing module call) the whole
+    stack, up to ``limit`` frames. (The whole stack at every module call costs in proportion to its
+    depth: a notebook cell's is deep.)"""
     code = _wrapper_code()
     if code is None:
         return
+    call_impl = torch.nn.Module._call_impl.__code__
+    module_calls = 0
     depth = 0
     while frame is not None and depth < limit:
         if frame.f_code is code:
             fn = frame.f_locals.get("fn")
             if fn is not None:
                 yield _unwrap(fn)
+        elif frame.f_code is call_impl:
+            module_calls += 1
+            if module_calls == 2:  # the first is this module's own call
+                return
         frame = frame.f_back
         depth += 1
 
@@ -575,33 +585,16 @@ def register_global_forward_hook(hook: Callable[..., Any], *, with_kwargs: bool 
     return handle
 
 
-def compiled_callables_in_call(frame: Optional[types.FrameType], limit: int = 64) -> Iterator[Any]:
-    """:func:`compiled_callables` for a module forward pre-hook whose caller is ``frame``, up to the
-    call of the module that encloses this one: the compiled calls above it were found when its own
-    pre-hook ran. At top level (no enclosing module call) the whole stack, up to ``limit`` frames.
-    (The whole stack at every module call costs in proportion to its depth: a notebook cell's is deep.)"""
-    code = _wrapper_code()
-    if code is None:
-        return
-    call_impl = torch.nn.Module._call_impl.__code__
-    module_calls = 0
-    depth = 0
-    while frame is not None and depth < limit:
-        if frame.f_code is code:
-            fn = frame.f_locals.get("fn")
-            if fn is not None:
-                yield _unwrap(fn)
-        elif frame.f_code is call_impl:
-            module_calls += 1
-            if module_calls == 2:  # the first is this module's own call
-                return
-        frame = frame.f_back
-        depth += 1
-
-
 def autocast_may_be_on() -> bool:
     """False when autocast is on for no device (then :func:`autocast_state` is ``()``): one flag read
     where torch has it (``_is_any_autocast_enabled``, every device type), else :func:`autocast_off`.
     nanwatch's replay asks at every module call."""
     any_on = getattr(torch._C, "_is_any_autocast_enabled", None)
     return bool(any_on()) if any_on is not None else not autocast_off()
+
+
+def hooked_leaves(tensors: Iterable[torch.Tensor], own: tuple[type, ...] = ()) -> bool:
+    """:func:`leaf_hooks` for many tensors: whether one has hooks of the user's. A tensor that never had a
+    hook has neither dict (both None): it is passed over without a call (a model's parameters, each step)."""
+    return any(leaf_hooks(t, own) for t in tensors
+               if t._backward_hooks is not None or getattr(t, "_post_accumulate_grad_hooks", None) is not None)

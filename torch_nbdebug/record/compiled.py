@@ -126,7 +126,7 @@ class CompiledCode:
         if len(self._callables) >= _MAX_NAMED:
             return
         try:
-            for fn in compat.compiled_callables_in_call(sys._getframe(1)):
+            for fn in compat.compiled_callables(sys._getframe(1)):
                 self._callables.setdefault(id(fn), fn)
         except Exception:  # noqa: BLE001 - the note is a courtesy: never disturb the user's forward
             return

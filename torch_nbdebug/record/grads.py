@@ -13,9 +13,10 @@ synchronises with the host (see :mod:`torch_nbdebug.record.grads_steps`):
 
 The samples stay on the device, in rows allocated ahead (:class:`~torch_nbdebug.record.grads_steps.Chunk`);
 every ``_FLUSH`` steps (or before those rows would take over ``_MAX_KEPT`` elements, or at the end)
-they are reduced for all kept steps at once and copied to the host in one transfer (before the end,
-taken as finite: a step that held a NaN or an Inf after all is reduced again, for one more
-transfer). The last step is made exact at exit when its gradients are still there (``exact_last``):
+they are reduced for all kept steps at once and copied to the host in one transfer (taken as
+finite: a step that held a NaN or an Inf after all is reduced again in full, for one more transfer
+before the end, with the exact last step's second one at the end; an end without that second
+transfer reduces every step in full). The last step is made exact at exit when its gradients are still there (``exact_last``):
 its parameters taken whole already are, so only the sampled ones are measured over every element
 (their norm, sum, min and max kept from the step), the first copy joined with that last transfer: a
 recording of a few steps costs two host synchronisations in all.
@@ -31,73 +32,20 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace, LayerInfo, ParamInfo
+from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.grads_layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
 from torch_nbdebug.record.grads_stats import (
-    LastJob, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
+    LastJob, Redo, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
     whole_columns,
 )
 from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows, update_squares
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
 
-# Forward order learnt by a recording, reused by later snapshots of the same model (weak: never
-# keeps the model alive, and runs no callback when it dies: see record/interrupts.py).
-_FORWARD_ORDER: "WeakIdMap[nn.Module, tuple[str, ...]]" = WeakIdMap()
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
 _MAX_KEPT = 1 << 24  # sample elements held on the device between host copies, empty rows included (64 MB)
 _CPU_CHUNK = 1 << 18  # sample elements reduced (and rows allocated) together on a CPU (1 MB of float32: in cache)
-
-
-# What layers_of finds: the modules owning parameters, the parameters, their layers and infos, the order's kind.
-Layers = tuple[list[tuple[str, nn.Module]], list[nn.Parameter], tuple[LayerInfo, ...], tuple[ParamInfo, ...], str]
-
-
-def layers_of(model: nn.Module, name: str, order: Optional[tuple[str, ...]] = None) -> Layers:
-    """Modules owning parameters directly, in ``order`` (sub-names) then registration order.
-
-    A parameter shared by two modules (tied embeddings) belongs to the first module that lists it.
-    """
-    model = compat.original_module(model)  # a torch.compile'd model: the user's names, not _orig_mod.*
-    order = order if order is not None else _FORWARD_ORDER.get(model)
-    # Each module's own parameters listed once (named_parameters walks a generator and a memo per call).
-    found = [(sub, m, list(m.named_parameters(recurse=False))) for sub, m in model.named_modules()]
-    modules = [entry for entry in found if entry[2]]
-    if order:
-        rank = {sub: i for i, sub in enumerate(order)}
-        modules.sort(key=lambda entry: rank.get(entry[0], len(rank)))  # stable: unseen keep registration order
-    seen: set[int] = set()
-    live: list[tuple[str, nn.Module]] = []
-    params: list[nn.Parameter] = []
-    layers: list[LayerInfo] = []
-    infos: list[ParamInfo] = []
-    for sub, module, named in modules:
-        path = f"{name}.{sub}" if sub else name
-        owned = [(pn, p) for pn, p in named if id(p) not in seen]
-        if not owned:
-            continue
-        indices = []
-        for pn, p in owned:
-            seen.add(id(p))
-            indices.append(len(params))
-            params.append(p)
-            infos.append(param_info(f"{path}.{pn}", len(layers), p))
-        layers.append(LayerInfo(path, type(module).__name__, tuple(indices)))
-        live.append((sub, module))
-    return live, params, tuple(layers), tuple(infos), "forward" if order else "registration"
-
-
-def param_info(name: str, layer: int, param: nn.Parameter) -> ParamInfo:
-    """What the trace keeps of a parameter as it is now: shape, dtype and trainability."""
-    return ParamInfo(name, layer, tuple(param.shape), str(param.dtype).replace("torch.", ""), param.numel(),
-                     param.requires_grad)
-
-
-def remember_order(model: nn.Module, order: tuple[str, ...]) -> None:
-    try:
-        _FORWARD_ORDER[model] = order
-    except TypeError:  # a module that cannot be weakly referenced: just don't remember
-        pass
 
 
 class GradRecorder:
@@ -132,7 +80,7 @@ class GradRecorder:
 
     # -- install / remove ---------------------------------------------------------------
     def __enter__(self) -> "GradRecorder":
-        self._enter_order = _FORWARD_ORDER.get(self.model)
+        self._enter_order = FORWARD_ORDER.get(self.model)
         self._live, self._params, self._layers, self._infos, self._order_kind = \
             layers_of(self.model, self.name, self._enter_order)
         self._sampler = Sampler(self._params, self.sample)
@@ -295,6 +243,16 @@ class GradRecorder:
         (not one per parameter or per step). Returns the host copies of ``extra``. Before the end
         (not ``final``) the samples are taken as finite, the rows that were not reduced again in full:
         a second transfer, only when some gradient held a NaN or an Inf."""
+        groups, arrays, host = self._reduce(extra, finite=not final)
+        if not final:
+            redo_dirty(groups, arrays, self.bins)
+        self._keep(groups, arrays)
+        return host
+
+    def _reduce(self, extra: Sequence[torch.Tensor], finite: bool
+                ) -> tuple[list[list[dict[str, Any]]], list[dict[str, np.ndarray]], list[np.ndarray]]:
+        """The kept steps in groups, their reductions' host copies (one per group) and those of
+        ``extra``: one transfer. ``finite``: see :func:`reduce_rows` (then see :class:`Redo`)."""
         rows, self._pending = self._pending, []
         groups: list[list[dict[str, Any]]] = []
         for r in rows:  # consecutive steps with the same parameters (and chunk) together
@@ -306,21 +264,42 @@ class GradRecorder:
             else:
                 groups.append([r])
         with torch.no_grad():
-            reduced = [reduce_rows(g, self.bins, finite=not final) for g in groups]
+            reduced = [reduce_rows(g, self.bins, finite=finite) for g in groups]
             for g, out in zip(groups, reduced):
                 if self.activations:
                     out["act"] = torch.stack([r["act"] for r in g])
         wanted = [t for out in reduced for t in out.values()]
         host = iter(to_host(wanted + list(extra)))
         arrays = [{key: next(host) for key in out} for out in reduced]
-        if not final:
-            redo_dirty(groups, arrays, self.bins)
+        return groups, arrays, list(host)
+
+    def _keep(self, groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]]) -> None:
+        """Keep the reduced groups on the host; their rows on the device are free again."""
         self._chunks.recycle()
         for group, arrays_of_group in zip(groups, arrays):
             self._keep_on_host(group, arrays_of_group)
-        if rows:
+        if groups:
             self._thin()
-        return list(host)
+
+    def _end(self, last: Optional[tuple[LastJob, list[int], list[int]]]) -> Optional[tuple[Any, ...]]:
+        """The final flush, and the exact last step's job run with it: the job's result (None without one).
+        With sampled parameters the job always asks for a second copy: the kept steps are then reduced
+        as finite (a third of the passes) and the rows holding a NaN or an Inf reduced again in full
+        for that second copy (no copy of their own)."""
+        if last is None:
+            self._flush(final=True)
+            return None
+        job, big, whole = last
+        groups, arrays, first = self._reduce(next(job), finite=bool(big))
+        redo = Redo(groups, arrays, self.bins)
+        # The whole ones' columns from their sample, exact when finite (the others the job measures again).
+        raw = arrays[-1]["raw"][-1]  # the last row: the job's step
+        whole_cols = whole_columns(raw[self._sampler.exact[list(groups[-1][-1]["present"])]],
+                                   self._sampler.numel[whole])
+        result, copies = run_job(job, first + [whole_cols], ride=redo.tensors)
+        redo.put(copies)
+        self._keep(groups, arrays)
+        return result
 
     def _keep_on_host(self, group: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> None:
         """Scatter a reduced group's rows back to every parameter (NaN and has_grad 0 where absent)."""
@@ -362,8 +341,7 @@ class GradRecorder:
 
     def _trace(self, last: Optional[tuple[LastJob, list[int], list[int]]]) -> GradTrace:
         live, params, layers, infos, order = self._final_layers()
-        # The kept steps and the exact last step's first reductions share one host copy.
-        first = self._flush(next(last[0]) if last is not None else (), final=True)
+        done = self._end(last)  # the kept steps and the exact last step's numbers: two copies for finite ones
         old = {id(p): i for i, p in enumerate(self._params)}
         perm = [old[id(p)] for p in params]
         lperm = [[s for s, _ in self._live].index(sub) for sub, _ in live]
@@ -376,10 +354,9 @@ class GradRecorder:
         skipped = [info.name for info, p in zip(self._infos, self._params) if p.grad is not None and not usable(p.grad)]
         if skipped:
             notes.append(f"sparse, complex or integer gradients not analysed: {', '.join(skipped[:5])}")
-        if last is not None:
-            job, big, whole = last
-            whole_cols = whole_columns(self._host[-1]["raw"][whole], self._sampler.numel[whole])  # from its sample
-            cols, counts, lo_hi, fixed, dead_whole = run_job(job, first + [whole_cols])
+        if last is not None and done is not None:
+            _, big, whole = last
+            cols, counts, lo_hi, fixed, dead_whole = done
             new = np.argsort(perm)  # recorder's parameter index -> the trace's
             redone = new[big + [whole[j] for j in fixed]]
             for key, values in cols.items():  # the sampled parameters (and a few whole), over every element
@@ -403,7 +380,7 @@ class GradRecorder:
         """:func:`layers_of` in the forward order this recording saw. When that order is the one the
         layers of ``__enter__`` were sorted by (a model recorded again), the same walk gives the same
         layers: only the parameters' infos are read again (frozen, reshaped or cast while recording)."""
-        order = tuple(self._order) or _FORWARD_ORDER.get(self.model)
+        order = tuple(self._order) or FORWARD_ORDER.get(self.model)
         if order != self._enter_order:
             return layers_of(self.model, self.name, order)
         infos = tuple(param_info(info.name, info.layer, p) for info, p in zip(self._infos, self._params))

@@ -53,32 +53,53 @@ def redo_dirty(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.nda
     """Reduce again in full the captured rows a finite reduction (``reduce_rows(..., finite=True)``)
     found a NaN or an Inf in, and put their numbers in ``arrays``, the host copies of those reductions,
     one per group of rows: one more host copy, only when there is such a row."""
-    redo = [(g, [int(i) for i in np.flatnonzero(a.pop("dirty"))]) for g, a in zip(groups, arrays)]
-    todo = [(g, a, rows) for (g, rows), a in zip(redo, arrays) if rows]
-    if not todo:
-        return
-    with torch.no_grad():  # their update ratios stand (they do not depend on the gradient)
-        fixed = [reduce_rows([g[i] for i in rows], bins, ratios=False) for g, _, rows in todo]
-    host = iter(to_host([t for out in fixed for t in out.values()]))
-    for (g, a, rows), out in zip(todo, fixed):
-        new = {key: next(host) for key in out}
-        new["raw"][:, :, COL["update_ratio"]] = a["raw"][rows, :, COL["update_ratio"]]
-        a["raw"][rows] = new["raw"]
-        if "hist" in new:  # histogram rows are numbered among the rows that want one
-            hist_rows = [i for i, r in enumerate(g) if r.get("want_hist")]
-            for j, i in enumerate(i for i in rows if g[i].get("want_hist")):
-                a["hist"][hist_rows.index(i)], a["range"][hist_rows.index(i)] = new["hist"][j], new["range"][j]
+    redo = Redo(groups, arrays, bins)
+    if redo.tensors:
+        redo.put(to_host(redo.tensors))
 
 
-def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class Redo:
+    """The full reductions of the rows that finite reductions of ``groups`` found a NaN or an Inf in
+    (their ``dirty`` flags, popped from ``arrays``, the host copies of those reductions; none after full
+    reductions): queued on the device as ``tensors``, for the caller to copy with its own, then
+    :meth:`put` in ``arrays``."""
+
+    def __init__(self, groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]], bins: int) -> None:
+        redo = [(g, [int(i) for i in np.flatnonzero(a.pop("dirty", ()))]) for g, a in zip(groups, arrays)]
+        self.todo = [(g, a, rows) for (g, rows), a in zip(redo, arrays) if rows]
+        with torch.no_grad():  # their update ratios stand (they do not depend on the gradient)
+            self.fixed = [reduce_rows([g[i] for i in rows], bins, ratios=False) for g, _, rows in self.todo]
+        self.tensors = [t for out in self.fixed for t in out.values()]
+
+    def put(self, copies: list[np.ndarray]) -> None:
+        """Write the host ``copies`` of :attr:`tensors` over the dirty rows' numbers."""
+        host = iter(copies)
+        for (g, a, rows), out in zip(self.todo, self.fixed):
+            new = {key: next(host) for key in out}
+            new["raw"][:, :, COL["update_ratio"]] = a["raw"][rows, :, COL["update_ratio"]]
+            a["raw"][rows] = new["raw"]
+            if "hist" in new:  # histogram rows are numbered among the rows that want one
+                hist_rows = [i for i, r in enumerate(g) if r.get("want_hist")]
+                for j, i in enumerate(i for i in rows if g[i].get("want_hist")):
+                    a["hist"][hist_rows.index(i)], a["range"][hist_rows.index(i)] = new["hist"][j], new["range"][j]
+
+
+def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None, ride: Sequence[torch.Tensor] = ()
+            ) -> tuple[Any, list[np.ndarray]]:
     """Drive a job: each of its requests is one host copy. ``first``: the host copy of its first
-    request, when the caller took that request (``next(job)``) and copied it with its own tensors."""
+    request, when the caller took that request (``next(job)``) and copied it with its own tensors.
+    ``ride``: the caller's tensors, copied with the job's next request (alone when it makes none).
+    Returns the job's result and the host copies of ``ride``."""
+    ride, riding = list(ride), []
     try:
         wanted = next(job) if first is None else job.send(first)
         while True:
-            wanted = job.send(to_host(wanted))
+            host = to_host(list(wanted) + ride)
+            if ride:
+                host, riding, ride = host[:len(wanted)], host[len(wanted):], []
+            wanted = job.send(host)
     except StopIteration as stop:
-        return stop.value
+        return stop.value, riding or (to_host(ride) if ride else [])
 
 
 _P = ParamSpec("_P")
@@ -110,7 +131,7 @@ def _without_grad(make: Callable[_P, Generator[_Y, _S, _R]]) -> Callable[_P, Gen
 
 def exact_rows(params: list[nn.Parameter], bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every statistic over every element (a snapshot): stats [P, F], hist [P, B], range [P, 2]."""
-    return run_job(exact_job(params, bins))
+    return run_job(exact_job(params, bins))[0]
 
 
 @_without_grad
@@ -267,8 +288,8 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
         var[redo] = host.pop(0)
     _set(cols, clean, mean, var, lo[clean], hi[clean], l1[clean] / np.maximum(numel[clean], 1), numel[clean])
     if len(dirty):
-        n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var = host
-        cols["nan"][dirty], cols["inf"][dirty] = n_nan, n_inf
+        n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var, d_nonzero = host
+        cols["nan"][dirty], cols["inf"][dirty], cols["zeros"][dirty] = n_nan, n_inf, numel[dirty] - d_nonzero
         _set(cols, dirty, d_total / np.maximum(n, 1), d_var, d_lo, d_hi, d_l1 / np.maximum(n, 1), n)
     outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows grads_cpu.binned left NaN: histc's
     rows, hists = _histograms(grads, outside + list(dirty), cols["min"], cols["max"], bins, rng)
@@ -290,7 +311,8 @@ def _nearly_constant(n: np.ndarray, mean: np.ndarray, var: np.ndarray) -> np.nda
 
 def _masked_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """NaN/Inf counts and the statistics of the finite elements (NaN marks the others); the variance
-    in float64 and two passes, as the nearly constant case needs."""
+    in float64 and two passes, as the nearly constant case needs; last, the non-zero elements (NaN and
+    Inf included: the caller's count, from a sample reduced as finite, may have taken a NaN for a zero)."""
     masked = [torch.where(torch.isfinite(g), g.float(), math.nan) for g in grads]
     n = [(~torch.isnan(m)).sum() for m in masked]
     means = [torch.nansum(m.double()) / c.clamp(min=1) for m, c in zip(masked, n)]
@@ -300,7 +322,8 @@ def _masked_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
             torch.stack([torch.where(torch.isnan(m), math.inf, m).amin() for m in masked]),
             torch.stack([torch.where(torch.isnan(m), -math.inf, m).amax() for m in masked]),
             torch.stack([torch.nansum((m.double() - mu) ** 2) / (c - 1).clamp(min=1)
-                         for m, mu, c in zip(masked, means, n)])]
+                         for m, mu, c in zip(masked, means, n)]),
+            torch.stack([torch.count_nonzero(g) for g in grads])]
 
 
 def _set(cols: dict[str, np.ndarray], rows: Any, mean: np.ndarray, var: np.ndarray, lo: np.ndarray, hi: np.ndarray,

@@ -77,10 +77,6 @@ class NanRecorder:
         self._quiet = 0
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
-        self._installed = False  # something may be installed: ``_remove`` has work to do
-        # replay: the backward gate, kept off the stack after an optimizer step until a graph begins (``_unpark``)
-        self._parked_gate: Optional[BackwardGate] = None
-        self._parking = False  # the running suspension is an optimizer step's
         self._tracker: Optional[ModuleTracker] = None
         self._mode: Optional[OpWatchMode] = None
         self._suspended_mode: Optional[OpWatchMode] = None
@@ -127,7 +123,6 @@ class NanRecorder:
     def _install(self) -> None:
         # Our module post hook goes first so the tracker still shows the exiting module. Dynamo must
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
-        self._installed = True
         replay = self.options.replay
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
         self._handles.append(compat.register_global_forward_hook(not_traced(exit_hook), with_kwargs=replay,
@@ -164,19 +159,14 @@ class NanRecorder:
             self._finish()
 
     def _remove(self) -> None:
-        """Take off the mode and every hook; safe to run twice (the second time returns at once,
-        unless a Stop cut the first one short)."""
-        if not self._installed:
-            return
+        """Take off the mode and every hook; safe to run twice."""
         try:
             self._model_off = False
             self.resume()  # an optimizer step (or, with replay, a model's forward) that raised left it suspended
             try:
                 if self._gate is not None:
                     gate, self._gate = self._gate, None
-                    if self._parked_gate is gate:  # parked after an optimizer step: not on the stack
-                        self._parked_gate = None
-                    elif compat.function_stack_len() and \
+                    if compat.function_stack_len() and \
                             compat.function_mode_at(compat.function_stack_len() - 1) is gate:
                         gate.__exit__(None, None, None)
                     else:  # the user's own function mode above it (left on by their code): take ours out only
@@ -195,7 +185,6 @@ class NanRecorder:
                     self.internal_error("removing a hook", exc)
             if self._tracker is not None:
                 self._tracker.remove()  # idempotent
-            self._installed = False
 
     def _finish(self) -> None:
         """Read what is still on the device and forget every key (nothing of the user's is kept)."""
@@ -222,7 +211,6 @@ class NanRecorder:
         if mode is not None and self._suspended_mode is None and _stack_len() and _stack_at(_stack_len() - 1) is mode:
             compat.pop_dispatch_mode()
             self._suspended_mode = mode
-            self._parking = self._optimizer_busy()
             gate = self._gate  # the backward gate goes with it (a compiled model sees no mode at all)
             if gate is not None and compat.function_stack_len() and \
                     compat.function_mode_at(compat.function_stack_len() - 1) is gate:
@@ -234,19 +222,7 @@ class NanRecorder:
         gate, self._suspended_gate = self._suspended_gate, None
         if mode is not None:
             compat.push_dispatch_mode(mode)
-        if gate is not None and self._parking and mode is not None:
-            self._parked_gate = gate  # see ``_unpark``
-        elif gate is not None:
-            compat.push_function_mode(gate)
-        self._parking = False
-
-    def _unpark(self) -> None:
-        """After an optimizer step the backward gate stays off (``zero_grad``'s ``.grad`` reads and writes
-        do not pass through it) until a backward can follow: an op outside a model made an autograd node,
-        or a model call returned. Before that no tensor of the new step has a graph (a backward of an
-        older one, or a hook on a leaf, is watched op by op as with the gate: ``BackwardWatch._plan``)."""
-        gate, self._parked_gate = self._parked_gate, None
-        if gate is not None and self._gate is gate:
+        if gate is not None:
             compat.push_function_mode(gate)
 
     def _outer(self, entering: bool) -> None:
@@ -263,12 +239,9 @@ class NanRecorder:
                 return
             self.suspend()
             self._model_off = True
-        else:
-            if self._model_off:
-                self._model_off = False
-                self.resume()
-            if self._parked_gate is not None and self._suspended_mode is None and not self._optimizer_busy():
-                self._unpark()
+        elif self._model_off:
+            self._model_off = False
+            self.resume()
 
     def _model_ended(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
         """Replay: the outermost call returned; if its forward ran without the per-op mode, its backward
@@ -439,7 +412,7 @@ class NanRecorder:
             pending, flags = self.deferred.take() if self.deferred is not None else ([], [])
             if not stats and not pending and not extra:
                 return []
-            if not stats and not flags and len(extra) == 1:  # (an optimizer step's norms, alone: no copy)
+            if not stats and not pending and len(extra) == 1:  # (an optimizer step's norms, alone: no copy)
                 return [extra[0].detach().reshape(-1).tolist()]
             values = ops.read_together([t for _, t in stats] + flags + list(extra))
             self.layers.apply(stats, values[:len(stats)])
@@ -475,8 +448,6 @@ class NanRecorder:
                 # The autograd kernel made a node for this op just before calling us: remember where.
                 self._last_seq = seq
                 self._op_seq = seq - 1
-                if self._parked_gate is not None:  # a graph begins: a backward may follow
-                    self._unpark()
                 if cat != ops.VIEW and self.options.backward:  # places serve backward births only
                     self._remember(seq - 1, func)
             else:

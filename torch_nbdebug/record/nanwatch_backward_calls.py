@@ -23,7 +23,7 @@ from torch_nbdebug.record import compat
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_events import stats_of
 from torch_nbdebug.record.nanwatch_modules import float_leaves
-from torch_nbdebug.record.nanwatch_optim import by_tensor, norm_groups
+from torch_nbdebug.record.nanwatch_optim import nonfinite_norms
 from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
                                                   why_not_replayable)
 
@@ -208,16 +208,12 @@ class CallChecks:
         grads: list[torch.Tensor] = []
         owner: list[int] = []
         for i, region in enumerate(regions):
-            for _, g in _dense_grads(self._call_parameters(region)):
-                if g.is_floating_point():
-                    grads.append(g)
-                    owner.append(i)
-        if not grads:
+            found = _float_grads(self._call_parameters(region))
+            grads += found
+            owner += [i] * len(found)
+        values = nonfinite_norms(grads) if grads else None
+        if values is None:
             return []
-        groups, stacked = norm_groups(grads)
-        if len(stacked) == 1 and math.isfinite(float(stacked[0].sum())):  # the one read of a finite step
-            return []
-        values = by_tensor(groups, [v for n in stacked for v in n.tolist()])
         bad = {owner[k] for k, v in enumerate(values) if not math.isfinite(v)}
         return [regions[i] for i in sorted(bad)]
 
@@ -243,7 +239,7 @@ class CallChecks:
             return reason
         return ("saved-tensor hooks were active at the call" if region.saved_hooks
                 else "a parameter has a hook (register_hook or register_post_accumulate_grad_hook)"
-                if any(compat.leaf_hooks(p, OWN_TENSOR_HOOKS) for p in self._call_parameters(region))
+                if compat.hooked_leaves(self._call_parameters(region), OWN_TENSOR_HOOKS)
                 else "")
 
     def grads_before(self, regions: list[Region]) -> None:
@@ -253,9 +249,8 @@ class CallChecks:
         self._finite_before = set()
         if not pairs:
             return
-        groups, stacked = norm_groups([g for _, g in pairs])
-        values = by_tensor(groups, [v for n in stacked for v in n.tolist()])
-        self._finite_before = {id(p) for (p, _), v in zip(pairs, values) if math.isfinite(v)}
+        values = nonfinite_norms([g for _, g in pairs])
+        self._finite_before = {id(p) for k, (p, _) in enumerate(pairs) if values is None or math.isfinite(values[k])}
 
     def _replay_or_report(self, region: Region) -> Optional[tuple[Region, str]]:
         """Replay the call; what is left to report at module level (after every replay), or None."""
@@ -460,6 +455,11 @@ def _dense_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> lis
         if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED:
             pairs.append((p, g))
     return pairs
+
+
+def _float_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[torch.Tensor]:
+    """The floating-point ones of :func:`_dense_grads`' gradients."""
+    return [g for _, g in _dense_grads(params) if g.is_floating_point()]
 
 
 def _detached(value: Any) -> Any:

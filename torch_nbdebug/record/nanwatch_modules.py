@@ -21,8 +21,8 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
 from torch_nbdebug.record.nanwatch_context import WatchContext
 from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
-from torch_nbdebug.record.nanwatch_kept import Kept, KeptReadings
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor
+from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
+from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
 from torch_nbdebug.record.nanwatch_params import carriers
 from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
@@ -280,43 +280,51 @@ class ModuleChecks:
         assert kept is not None
         ctx = self.ctx
         depth = self._depth()
-        start = self._starts[depth - 1] if 0 < depth <= len(self._starts) else None
-        call = capture(args, self._kwargs, start)
-        inputs, place = _float_args(args), here(path, None)  # (one walk up the stack per exit)
-        if depth == 1 and t.requires_grad:
-            self.model_calls.add(module, call, compat.next_sequence_nr(), place._replace(module=None))
+        site = CallSite(self._starts[depth - 1] if 0 < depth <= len(self._starts) else None, args, self._kwargs, path)
         if depth == 1:  # checked as this exit returns (``exit``), then dropped
+            call, place = site.call(), site.place()
+            if t.requires_grad:
+                self.model_calls.add(module, call, compat.next_sequence_nr(), place._replace(module=None))
             self._outer_call = Kept(t, [path], ctx.clock.iteration, module, (), place, call=call)
         container = last is not None and kept.entries and kept.entries[-1].value() is t
         main = kept.entries.pop() if container else None
         for other in others:  # the other outputs (a tuple's 2nd element, a dataclass field): births only
-            self._keep(other, path, module, inputs, place, call, table=False)
+            self._keep(other, module, site, table=False)
         if main is not None:
             kept.entries.append(main)  # last again: the next container can find it
             main.paths.append(path)  # a container returning its last child's output
             if last is not None and last[2] is not None:
                 last[2].paths.append(path)
             return
-        entry = self._keep(t, path, module, inputs, place, call)
+        self._keep(t, module, site)
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), None, hook, entry.version)
+        self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
         if kept.full():
             with ctx.quiet():
                 ctx.flush()
 
-    def _keep(self, t: torch.Tensor, path: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-              place: Place, call: Any, table: bool = True) -> Kept:
-        """Keep one output of a module call; its statistics are computed now, while the output is still in
-        the cache (not read: :meth:`check_kept` reads every entry's together). Our ops pass no dispatch mode."""
+    def _keep(self, t: torch.Tensor, module: torch.nn.Module, site: CallSite, table: bool = True) -> None:
+        """Keep one output of a module call. A CPU output is read at once (reading a CPU scalar is no
+        synchronisation): a finite one keeps only what the table needs, a non-finite one what a replay
+        needs too. Another device's statistics are computed now, while the output is still in the cache
+        (not read: :meth:`check_kept` reads every entry's together). Our ops pass no dispatch mode."""
         weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
-        assert self.kept is not None
+        kept, iteration = self.kept, self.ctx.clock.iteration
+        assert kept is not None
+        values = None
         with self.ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
-            entry = self.kept.output(t, path, module, inputs, place, self.ctx.clock.iteration, weak, table)
+            if t.is_cpu and READ_AT_EXIT:
+                values = stat_values(t)
+                if not _non_finite(values):
+                    if table:
+                        kept.read(t, site.path, module, iteration, values, weak)
+                    return
+            entry = kept.output(t, site.path, module, site.inputs(), site.place(), iteration, weak, table, values)
+        call = site.call()
         entry.call = call.weakened() if weak else call
-        return entry
 
     def _bound_backlog(self) -> None:
         """Deferred statistics are read once per forward (see ``_model_done``); code without modules
@@ -441,17 +449,11 @@ def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _float_args(args: Any) -> tuple[torch.Tensor, ...]:
-    """``ops.float_inputs`` of a module's positional arguments, without a tree walk for plain tensors."""
-    if type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common call
-        return args if ops.checkable(args[0]) else ()
-    if isinstance(args, tuple) and all(isinstance(a, torch.Tensor) or not isinstance(a, (list, tuple, dict))
-                                       for a in args):
-        return tuple(a for a in args if isinstance(a, torch.Tensor) and ops.checkable(a))[:32]
-    return tuple(ops.float_inputs(args, {}))
-
-
 _NOTHING = contextlib.nullcontext()
+# Replay: a CPU output is read as its module returns (see ``ModuleChecks._keep``); an output on a device
+# waits on it and is read with the others when the model returns. Tests switch this off to run the
+# device's path on a CPU.
+READ_AT_EXIT = True
 
 
 def _non_finite(values: Optional[list[float]]) -> bool:

@@ -62,6 +62,15 @@ def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+def nonfinite_norms(tensors: list[torch.Tensor]) -> Optional[list[float]]:
+    """None when every tensor of ``tensors`` is finite (the usual case: one batched norm, one value read);
+    else each tensor's L2 norm, in order (NaN/Inf where it is not finite)."""
+    groups, norms = norm_groups(tensors)
+    if len(norms) == 1 and math.isfinite(float(norms[0].sum())):
+        return None
+    return by_tensor(groups, [v for n in norms for v in n.tolist()])
+
+
 def by_tensor(groups: list[list[int]], values: list[float]) -> list[float]:
     """The norms read for :func:`norm_groups` (concatenated in group order), back in tensor order."""
     if len(groups) == 1 and groups[0] == list(range(len(values))):  # the usual single group: in order

@@ -48,7 +48,6 @@ class Call:
     autocast: tuple = ()  # compat.autocast_state() when the call ran: the replay runs under the same
     params: Optional[tuple[int, ...]] = None  # the module's parameter versions (ModelCalls.add)
     parameters: tuple[torch.Tensor, ...] = ()  # the module's parameters, in order (ModelCalls.add)
-    modules: tuple[torch.nn.Module, ...] = ()  # the module's submodules, itself first (ModelCalls.add)
 
     def params_changed(self, parameters: tuple[torch.Tensor, ...]) -> bool:
         """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values.
@@ -178,10 +177,9 @@ def plain_arguments(value: Any, depth: int = 0) -> bool:
 
 def why_not_replayable(call: Call, module: torch.nn.Module, own_hooks: Collection[int]) -> str:
     """Why the forward of ``call`` cannot be replayed exactly ("" when it can): one walk of the module
-    tree serves the weights and the hooks; a model call's tree was listed as it returned (``ModelCalls.add``,
-    the same step: not walked again). ``own_hooks``: the watch's own global hook ids."""
-    modules, parameters = (call.modules, call.parameters) if call.modules and call.modules[0] is module \
-        else module_tree(module)
+    tree serves the weights and the hooks (walked afresh: a weight may have been replaced since the call,
+    ``load_state_dict(assign=True)``). ``own_hooks``: the watch's own global hook ids."""
+    modules, parameters = module_tree(module)
     return ("its arguments were changed in place" if call.changed()
             else "its weights were changed since the call" if call.params_changed(parameters)
             else "an argument is an object the call may update (a cache)"
@@ -410,9 +408,8 @@ class ModelCalls:
         """``end``: the sequence number after the call; ``place``: the user's line that made it."""
         if call.seq is not None and call.grad_enabled and compat.current_autograd_node() is None:
             # (a forward run by backward, a checkpoint's recomputation, is part of that backward)
-            modules, parameters = module_tree(module)  # one walk of the module tree per call
-            call = dataclasses.replace(call, params=versions_of(parameters), parameters=parameters,
-                                       modules=tuple(modules))
+            parameters = parameters_of(module)  # one walk of the module tree per call
+            call = dataclasses.replace(call, params=versions_of(parameters), parameters=parameters)
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
     def clear(self) -> None:
