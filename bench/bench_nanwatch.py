@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per mode (median taken)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and a shorter GPT sequence")
     ap.add_argument("--steps", type=int, default=1,
-                    help="training steps inside each watch (default 1, the issue-11 table: a one-step cell pays "
-                         "the watch's start and stop at every step; 10: a cell with a training loop, the watch left on)")
+                    help="training steps inside each watch (default 1, the issue-11 table: a one-step cell "
+                         "pays the watch's start and stop at every step; 10: a cell with a training loop, the "
+                         "watch left on)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")

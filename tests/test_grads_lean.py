@@ -92,6 +92,16 @@ def test_skipping_quiet_layers_finds_every_flag_a_call_per_layer_finds(monkeypat
     assert {f.kind for flags in every for f in flags} == {"non-finite", "exploding", "vanishing", "dead", "frozen"}
 
 
+def test_a_trace_without_layers_has_no_flags() -> None:
+    """A trace with no layers (built by hand, or loaded with ``GradTrace.from_dict``) is flagged as empty."""
+    from torch_nbdebug.data.grads import GradTrace
+
+    trace = GradTrace(model="m", params=(), layers=(), steps=(0,), stats=np.zeros((1, 0, len(FIELD))),
+                      exact=np.zeros((1, 0), bool), hist_rows=(), hist=np.zeros((0, 0, 8)),
+                      hist_range=np.zeros((0, 0, 2)), step_kind="optimizer")
+    assert process.step_flags(trace, 0) == ()
+
+
 def test_a_block_without_padding_is_binned_as_a_padded_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows as long as their block need no fill at -inf before the bins: the same counts with it."""
     def model() -> nn.Module:

@@ -650,3 +650,34 @@ def test_the_layer_table_under_replay_shows_each_output_as_its_module_returned_i
     assert rows["model.fc"].fwd_min is None and rows["model.fc"].fwd_finite is None
     assert report.first.op == "aten.log.default" and report.first.module == "model"
     assert report.first.lineno == line("@replay-pair")
+
+
+class WritesThroughData(nn.Module):
+    """The parent writes its child's output through ``.data`` after the child returned (no version bump)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, 4), LogBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.data.fill_(float("nan"))
+        return self.act(h)
+
+
+def test_an_output_overwritten_through_data_after_its_module_returned_reads_as_the_always_on_watch() -> None:
+    """The table shows what ``fc`` returned (finite), not what its parent wrote into it later through
+    ``.data`` (which autograd's version counter does not see), and the event is the always-on watch's."""
+    reports = []
+    for replay in (False, True):
+        torch.manual_seed(0)
+        model = WritesThroughData()
+        with nanwatch(replay=replay, namespace={"model": model}) as report:
+            model(torch.randn(3, 4)).sum().backward()
+        reports.append(report)
+    always, replayed = reports
+    assert [(e.phase, e.op, e.module, e.cause) for e in replayed.events] == \
+        [(e.phase, e.op, e.module, e.cause) for e in always.events]
+    rows = [{(r.module, r.fwd_min, r.fwd_max, r.fwd_finite) for r in rep.layers if r.module == "model.fc"}
+            for rep in reports]
+    assert rows[0] == rows[1] and next(iter(rows[1]))[3] is True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -129,18 +129,15 @@ def _loud_layers(trace: GradTrace, loud: np.ndarray, table: dict[str, np.ndarray
     n_l = len(trace.layers)
     if trace.activations is not None:
         return np.ones(n_l, bool)
-    sizes = np.array([len(layer.params) for layer in trace.layers])
+    sizes = np.array([len(layer.params) for layer in trace.layers], np.int64)
     members = np.fromiter((p for layer in trace.layers for p in layer.params), np.int64, int(sizes.sum()))
     out = np.zeros(n_l, bool)
     out[np.repeat(np.arange(n_l), sizes)[loud[members]]] = True
-    norm, rms = table["norm"], table["rms"]
+    norm = table["norm"]
     with np.errstate(invalid="ignore"):
-        size = (norm >= limits.exploding_norm) | (rms < limits.vanishing_rms)
-        if np.isfinite(median_rms) and median_rms > 0:
-            size |= (rms >= limits.exploding_rel * median_rms) | (rms <= limits.vanishing_rel * median_rms)
-        if history is not None:
-            median, count = history[:, 0], history[:, 1]
-            size |= (count >= 3) & (median > 0) & (norm >= limits.exploding_growth * median)
+        size = np.zeros(n_l, bool)
+        for _, test, _ in _SIZE_RULES:  # every layer at once
+            size |= test(norm, table["rms"], median_rms, history.T if history is not None else None, limits)
     return out | (size & np.isfinite(norm))
 
 
@@ -191,21 +188,39 @@ def _param_finding(trace: GradTrace, step: int, p: int, limits: Thresholds) -> O
     return None
 
 
+def _relative(median_rms: float) -> bool:
+    return bool(np.isfinite(median_rms) and median_rms > 0)
+
+
+def _grown(norm: Any, history: Optional[np.ndarray], limits: Thresholds) -> Any:
+    if history is None:
+        return False
+    median, count = history[0], history[1]
+    return (count >= 3) & (median > 0) & (norm >= limits.exploding_growth * median)
+
+
+# The size findings, first match wins: (kind, test, message). A test takes a layer's (norm, rms) and the
+# (median, count) of its earlier norms, or arrays of every layer's (``_loud_layers``): one rule for both.
+_SIZE_RULES: tuple[tuple[str, Callable[..., Any], Callable[..., str]], ...] = (
+    ("exploding", lambda norm, rms, mrms, hist, lim: norm >= lim.exploding_norm,
+     lambda norm, rms, mrms, hist, lim: f"gradient norm {norm:.3g} ≥ {lim.exploding_norm:g}"),
+    ("exploding", lambda norm, rms, mrms, hist, lim: _relative(mrms) and rms >= lim.exploding_rel * mrms,
+     lambda norm, rms, mrms, hist, lim: f"gradient rms {rms:.3g} is {rms / mrms:.3g}× the median layer's"),
+    ("exploding", lambda norm, rms, mrms, hist, lim: _grown(norm, hist, lim),
+     lambda norm, rms, mrms, hist, lim: f"gradient norm {norm:.3g} is {norm / hist[0]:.3g}× its median over "
+                                        "earlier steps"),
+    ("vanishing", lambda norm, rms, mrms, hist, lim: rms < lim.vanishing_rms,
+     lambda norm, rms, mrms, hist, lim: f"gradient rms {rms:.3g} < {lim.vanishing_rms:g}"),
+    ("vanishing", lambda norm, rms, mrms, hist, lim: _relative(mrms) and rms <= lim.vanishing_rel * mrms,
+     lambda norm, rms, mrms, hist, lim: f"gradient rms {rms:.3g} is {rms / mrms:.2g}× the median layer's"),
+)
+
+
 def _size_findings(norm: float, rms: float, median_rms: float, history: Optional[np.ndarray],  # (median, n)
                    limits: Thresholds) -> list[tuple[str, str, Optional[int]]]:
-    if norm >= limits.exploding_norm:
-        return [("exploding", f"gradient norm {norm:.3g} ≥ {limits.exploding_norm:g}", None)]
-    if np.isfinite(median_rms) and median_rms > 0 and rms >= limits.exploding_rel * median_rms:
-        return [("exploding", f"gradient rms {rms:.3g} is {rms / median_rms:.3g}× the median layer's", None)]
-    if history is not None:
-        median, count = history
-        if count >= 3 and median > 0 and norm >= limits.exploding_growth * median:
-            return [("exploding", f"gradient norm {norm:.3g} is {norm / median:.3g}× its median over "
-                                  "earlier steps", None)]
-    if rms < limits.vanishing_rms:
-        return [("vanishing", f"gradient rms {rms:.3g} < {limits.vanishing_rms:g}", None)]
-    if np.isfinite(median_rms) and median_rms > 0 and rms <= limits.vanishing_rel * median_rms:
-        return [("vanishing", f"gradient rms {rms:.3g} is {rms / median_rms:.2g}× the median layer's", None)]
+    for kind, test, message in _SIZE_RULES:
+        if test(norm, rms, median_rms, history, limits):
+            return [(kind, message(norm, rms, median_rms, history, limits), None)]
     return []
 
 

@@ -16,10 +16,10 @@ every ``_FLUSH`` steps (or before those rows would take over ``_MAX_KEPT`` eleme
 they are reduced for all kept steps at once and copied to the host in one transfer (taken as
 finite: a step that held a NaN or an Inf after all is reduced again in full, for one more transfer
 before the end, with the exact last step's second one at the end; an end without that second
-transfer reduces every step in full). The last step is made exact at exit when its gradients are still there (``exact_last``):
-its parameters taken whole already are, so only the sampled ones are measured over every element
-(their norm, sum, min and max kept from the step), the first copy joined with that last transfer: a
-recording of a few steps costs two host synchronisations in all.
+transfer reduces every step in full). The last step is made exact at exit when its gradients are
+still there (``exact_last``): its parameters taken whole already are, so only the sampled ones are
+measured over every element (their norm, sum, min and max kept from the step), the first copy joined
+with that last transfer: a recording of a few steps costs two host synchronisations in all.
 """
 from __future__ import annotations
 
