@@ -1,9 +1,10 @@
 """Cost of record_gradients on a GPT-2-small-like and a 2-layer GPT training step, against anchors run side by side.
 
 Each timed call is a block of 3 AdamW steps (zero_grad, forward, cross-entropy, backward, step).
-Variants, interleaved within every repeat (the machine is shared, so only ratios measured in the
-same run mean anything; medians of repeats; CPU time of the process, which other processes on a
-busy machine disturb far less than wall time):
+Each variant is timed in pairs with the plain block, back to back (which goes first alternates): its
+ratio is the median over pairs of its time over the plain one's (issue 11's "median paired ratio"; a
+GPT-2 step's time depends on what ran before it, so a pair shares its neighbours). Times are the
+process's CPU time, which other processes on a busy machine disturb far less than wall time:
 
 - ``plain``: the 3 steps;
 - ``foreach_norm``: plain + one ``torch._foreach_norm`` over all gradients per step, read on the host
@@ -34,7 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models  # noqa: E402
 from models import GPT, lm_loss, training_step  # noqa: E402
-from timing import interleave  # noqa: E402
+from timing import paired  # noqa: E402
 from torch_nbdebug.api.grads import record_gradients  # noqa: E402
 
 STEPS = 3
@@ -94,14 +95,14 @@ def measure(label: str, model: nn.Module, vocab: int, seq: int, repeats: int) ->
     idx = torch.randint(0, vocab, (2, seq))
     n = sum(p.numel() for p in model.parameters())
     fns = variants(model, idx)
-    timings = interleave(fns, repeats, warmup=1, alternate=True)
-    base = timings.summary("plain")
+    pairs = paired(fns, "plain", repeats, warmup=1)
     print(f"{label}: {n / 1e6:.2f}M parameters in {len(list(model.parameters()))} tensors, batch 2, seq {seq}, "
-          f"{STEPS} AdamW steps per call, {timings.repeats('plain')} interleaved repeats, medians")
-    for name, s in timings.summaries().items():
-        print(f"  {name:<13} cpu median {s.cpu * 1e3:8.1f} ms  ratio {s.cpu / base.cpu:5.2f}x | "
-              f"cpu min ratio {s.cpu_min / base.cpu_min:5.2f}x | wall median ratio {s.wall / base.wall:5.2f}x",
-              flush=True)
+          f"{STEPS} AdamW steps per call, {repeats} pairs per variant (each timed next to the plain steps); "
+          "ratio = median over pairs of process CPU time over the plain one's [quartiles]")
+    for name in pairs.names():
+        s, (lo, hi) = pairs.summary(name), pairs.spread(name)
+        print(f"  {name:<13} cpu median {s.cpu * 1e3:8.1f} ms  ratio {pairs.ratio(name):5.2f}x [{lo:4.2f}-{hi:4.2f}] | "
+              f"wall ratio {pairs.ratio(name, cpu=False):5.2f}x | best cpu {s.cpu_min * 1e3:8.1f} ms", flush=True)
     split = phases(fns, model, max(3, repeats // 3))
     plain = split["plain steps"]
     print("  record, by phase (cpu medians): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()) +

@@ -12,8 +12,9 @@ Each timed call is one full step (zero_grad, forward, loss, backward, Adam step)
 variant enters and leaves the recorder inside the timing and includes building the timeline (what
 %%cudamem does before drawing); the static SVG render is timed separately. The profiler variant is
 ``torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)`` (what its memory
-timeline needs) plus ``export_memory_timeline`` to a .json file. Variants are interleaved within each
-repeat, one thread, medians printed with ratios to the plain step.
+timeline needs) plus ``export_memory_timeline`` to a .json file. Each variant is timed in pairs with a
+plain step, back to back (which goes first alternates), one thread; its ratio is the median over pairs
+of its time over the plain one's (issue 11's "median paired ratio"), with the quartiles.
 
 ``--floors`` also times what any op-precise CPU recorder pays before doing anything: a
 ``TorchDispatchMode`` that only calls the op (with and without dynamo's per-op wrapper, which
@@ -46,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import GPT, lm_loss, training_step  # noqa: E402
-from timing import Timings, clock  # noqa: E402
+from timing import Pairs, clock, paired  # noqa: E402
 from torch_nbdebug.api.memory import memory_timeline  # noqa: E402
 from torch_nbdebug.record.compat import EagerDispatchMode, TorchDispatchMode  # noqa: E402
 
@@ -204,17 +205,14 @@ def main() -> None:
                 args.repeats or (3 if args.quick else 5))
 
 
-def print_paired(timings: Timings, names: list[str]) -> None:
-    """Median over repeats of each variant's CPU seconds over the plain step's in the same repeat: other
-    load on the machine changes both alike, so these move less than ratios of medians."""
-    plain = timings.samples["plain"]
+def print_paired(pairs: Pairs) -> None:
+    """Each variant's median paired CPU ratio (timed next to a plain step), with the quartiles."""
     parts = []
-    for name in names:
-        samples = timings.samples[name]
-        if samples:
-            ratios = [s.cpu / p.cpu for s, p in zip(samples, plain) if p.cpu > 0]
-            parts.append(f"{name} {statistics.median(ratios):.2f}x")
-    print("paired cpu ratios (median of per-repeat ratios): " + "; ".join(parts))
+    for name in pairs.pairs:
+        lo, hi = pairs.spread(name)
+        parts.append(f"{name} {pairs.ratio(name):.2f}x [{lo:.2f}-{hi:.2f}]")
+    print("paired cpu ratios (median over pairs of the variant's CPU time over the plain step next to it, "
+          "[quartiles]): " + "; ".join(parts))
 
 
 def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab: int, seq: int, repeats: int) -> None:
@@ -225,7 +223,7 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
     ns = {"model": model, "opt": opt, "idx": idx, "target": target}
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{label}, {n_params / 1e6:.2f}M params, batch {args.batch}, seq {seq}, "
-          f"1 thread, {repeats} interleaved repeats (medians)")
+          f"1 thread, {repeats} pairs per variant (each timed next to a plain step)")
     step()  # warm-up: Adam state, allocator, lazy init
     recorded(step, ns).html()  # warm-up of the recorder and the renderer too
     floors = {"no-op mode": lambda: under(_NoOpMode, step), "no-op mode, no dynamo wrapper": lambda: under(_NoOpEagerMode, step),
@@ -233,46 +231,47 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
               "memory-only feed (no op events)": quietly(lambda: memory_only_feed(step, read=False)),
               "memory-only feed + read events": quietly(lambda: memory_only_feed(step, read=True)),
               } if args.floors else {}
-    timings = Timings(["plain", "memory_timeline", "no lines", "profiler", *floors])
+    variants: dict[str, Callable[[], Any]] = {"memory_timeline": lambda: recorded(step, ns, phases=phases)}
+    if args.lines_cost:
+        variants["no lines"] = lambda: recorded(step, ns, record_lines=False)
+    if not args.no_profiler:
+        variants["profiler"] = lambda: profiled(step)
+    variants.update(floors)
     renders, events, exports = [], [], []
     phases: list[tuple[float, float, float]] = []
-    for r in range(repeats):
-        timings.time("plain", step)
-        tl = timings.time("memory_timeline", lambda: recorded(step, ns, phases=phases))
-        renders.append(clock(tl.html)[0].wall)  # the static SVG, timed apart from the step
-        events.append(len(tl.steps) - 1)
-        if args.lines_cost:
-            timings.time("no lines", lambda: recorded(step, ns, record_lines=False))
-        if not args.no_profiler:
-            exports.append(export_seconds(timings.time("profiler", lambda: profiled(step))))
-        for name, floor in floors.items():
-            timings.time(name, floor)
-        if repeats <= 5:
-            print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1].wall:.3f}s" for k, v in timings.samples.items()
-                                                         if v), flush=True)
-    print_paired(timings, ["memory_timeline", "no lines", "profiler", *floors])
-    plain, plain_cpu = timings.median_wall("plain"), timings.median_cpu("plain")
-    ours, ours_cpu = timings.median_wall("memory_timeline"), timings.median_cpu("memory_timeline")
+
+    def after(name: str, out: Any) -> None:
+        if name == "memory_timeline":
+            renders.append(clock(out.html)[0].wall)  # the static SVG, timed apart from the step
+            events.append(len(out.steps) - 1)
+        elif name == "profiler":
+            exports.append(export_seconds(out))
+
+    pairs = paired({"plain": step, **variants}, "plain", repeats, after=after)
+    print_paired(pairs)
+    plain = pairs.summary("plain")
+    ours = pairs.summary("memory_timeline")
     print("(wall = elapsed seconds; cpu = this process's CPU seconds, less sensitive to other load on the machine)")
-    print(f"plain step                          wall {plain:.3f} s   cpu {plain_cpu:.3f} s")
-    print(f"memory_timeline (record + build)    wall {ours:.3f} s   ratio {ours / plain:.2f}x; "
-          f"cpu ratio {ours_cpu / plain_cpu:.2f}x (targets <= 1.10x / 1.5x); {int(statistics.median(events))} events; "
-          f"static SVG render {statistics.median(renders):.3f} s")
+    print(f"plain step                          wall {plain.wall:.3f} s   cpu {plain.cpu:.3f} s")
+    print(f"memory_timeline (record + build)    wall {ours.wall:.3f} s   paired ratio {pairs.ratio('memory_timeline', cpu=False):.2f}x; "
+          f"cpu paired ratio {pairs.ratio('memory_timeline'):.2f}x (targets <= 1.10x / 1.5x); "
+          f"{int(statistics.median(events))} events; static SVG render {statistics.median(renders):.3f} s")
     enter, inside, leave = (statistics.median(p[i] for p in phases) * 1000 for i in range(3))
     print(f"  of which (cpu medians): entering {enter:.1f} ms, the step inside {inside:.1f} ms "
-          f"(plain {plain_cpu * 1000:.1f} ms), leaving + building the timeline {leave:.1f} ms")
-    if timings.repeats("no lines"):
+          f"(plain {plain.cpu * 1000:.1f} ms), leaving + building the timeline {leave:.1f} ms")
+    if "no lines" in variants:
         calls, spent = line_cost(step, ns)
-        print(f"memory_timeline(record_lines=False)  cpu ratio {timings.median_cpu('no lines') / plain_cpu:.2f}x; "
+        print(f"memory_timeline(record_lines=False)  cpu paired ratio {pairs.ratio('no lines'):.2f}x; "
               f"source lines, timed inside the recorder: {calls} lookups, {spent * 1e6 / max(calls, 1):.2f} us each, "
               f"{spent * 1000:.1f} ms per step")
-    if timings.repeats("profiler"):
-        prof, export = timings.median_wall("profiler"), statistics.median(exports)
-        print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   ratio {prof / plain:.2f}x; "
-              f"cpu ratio {timings.median_cpu('profiler') / plain_cpu:.2f}x; export_memory_timeline {export:.3f} s; "
-              f"with export {(prof + export) / plain:.2f}x")
+    if "profiler" in variants:
+        prof, export = pairs.summary("profiler").wall, statistics.median(exports)
+        print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   paired ratio {pairs.ratio('profiler', cpu=False):.2f}x; "
+              f"cpu paired ratio {pairs.ratio('profiler'):.2f}x; export_memory_timeline {export:.3f} s; "
+              f"with export {(prof + export) / plain.wall:.2f}x")
     for name in floors:
-        print(f"floor: {name:38s} cpu ratio {timings.median_cpu(name) / plain_cpu:.2f}x")
+        print(f"floor: {name:38s} cpu paired ratio {pairs.ratio(name):.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -117,3 +117,70 @@ def cuda_syncs(block: Callable[[], Any]) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+class Pairs:
+    """Each variant timed right next to the base (its own pair per repeat): the ratio of the two is taken
+    within the pair, so drift (the allocator, the page cache, other load) and a heavy neighbour (a
+    variant that leaves the caches cold or the heap grown) hit both sides of it alike."""
+
+    def __init__(self, base: str, names: Sequence[str]) -> None:
+        self.base = base
+        self.pairs: dict[str, list[tuple[Sample, Sample]]] = {name: [] for name in names if name != base}
+
+    def ratios(self, name: str, cpu: bool = True) -> list[float]:
+        """Per-pair ratios of ``name`` to the base next to it (CPU seconds, or wall-clock)."""
+        pick = (lambda s: s.cpu) if cpu else (lambda s: s.wall)
+        return [pick(s) / pick(b) for b, s in self.pairs[name] if pick(b) > 0]
+
+    def ratio(self, name: str, cpu: bool = True) -> float:
+        """The median paired ratio (issue 11's measure)."""
+        return statistics.median(self.ratios(name, cpu)) if name != self.base else 1.0
+
+    def spread(self, name: str) -> tuple[float, float]:
+        """First and third quartile of the paired CPU ratios: how much one pair can be trusted."""
+        values = sorted(self.ratios(name)) if name != self.base else [1.0]
+        if len(values) < 4:
+            return values[0], values[-1]
+        q = statistics.quantiles(values, n=4)
+        return q[0], q[2]
+
+    def summary(self, name: str) -> Summary:
+        """Median wall, median CPU and least CPU seconds of ``name`` (the base over all its pairs)."""
+        if name == self.base:
+            samples = [b for pairs in self.pairs.values() for b, _ in pairs]
+        else:
+            samples = [s for _, s in self.pairs[name]]
+        return Summary(statistics.median(s.wall for s in samples), statistics.median(s.cpu for s in samples),
+                       min(s.cpu for s in samples))
+
+    def names(self) -> list[str]:
+        return [self.base, *self.pairs]
+
+
+def paired(fns: Mapping[str, Callable[[], Any]], base: str, repeats: int, *, warmup: int = 0,
+           sync: Optional[Callable[[], None]] = None, after: Optional[Callable[[str, Any], None]] = None) -> Pairs:
+    """Time every variant of ``fns`` in a pair with ``fns[base]`` (back to back, which one goes first
+    alternating), ``repeats`` pairs each, the variants' order alternating over repeats, after ``warmup``
+    untimed rounds of everything. ``after(name, returned)`` sees each call's result, outside the timing."""
+    def timed(name: str) -> Sample:
+        sample, out = clock(fns[name], sync)
+        if after is not None:
+            after(name, out)
+        return sample
+
+    for _ in range(warmup):
+        for name in fns:
+            timed(name)
+    pairs = Pairs(base, list(fns))
+    others = list(pairs.pairs)
+    for r in range(repeats):
+        for i, name in enumerate(alternating(others, r)):
+            if (r + i) % 2 == 0:
+                b = timed(base)
+                s = timed(name)
+            else:
+                s = timed(name)
+                b = timed(base)
+            pairs.pairs[name].append((b, s))
+    return pairs

@@ -235,6 +235,29 @@ def test_nanwatch_birth_opens_the_stepper_at_that_layer(monkeypatch: pytest.Monk
     assert grads(net, layer="net.3").start_layer == 2  # an explicit layer wins
 
 
+def test_the_opening_layer_is_the_birth_known_when_the_report_was_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags are judged when first read (the view's first look), but the layer of the last nanwatch
+    birth is looked up when the report is made: a later watch does not move where the stepper opens."""
+    import types
+
+    from torch_nbdebug.api import nanwatch
+
+    net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2), nn.Linear(2, 1))
+    net(torch.ones(1, 2)).sum().backward()
+    report = types.SimpleNamespace(first=types.SimpleNamespace(module="net.2"))
+    monkeypatch.setattr(nanwatch, "last_report", lambda: report, raising=False)
+    made = grads(net)
+    report.first.module = "net.3"  # a later watch's birth
+    assert made.start_layer == 1 and grads(net).start_layer == 2
+    with record_gradients(net) as rec:
+        net(torch.ones(1, 2)).sum().backward()
+    report.first.module = "net.0"
+    assert rec.start_layer == 2
+    from torch_nbdebug.process.grads import trace_flags
+
+    assert rec.flags == trace_flags(rec.trace, rec._limits)  # judged on first read, as at the block's end before
+
+
 def test_trace_round_trips_through_json() -> None:
     layer = _known_linear()
     layer.weight.grad[0, 0] = float("nan")

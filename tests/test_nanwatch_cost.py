@@ -9,7 +9,6 @@ synchronisations the watch would add on a GPU.
 from __future__ import annotations
 
 import collections
-import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_files import bench_module
 from host_syncs import OpCount
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record.nanwatch_optim import GRAD_GONE
@@ -25,17 +25,7 @@ from torch_nbdebug.record.nanwatch_optim import GRAD_GONE
 _READS = ("item", "tolist", "numpy", "__bool__", "cpu", "to")
 
 
-def _bench_models() -> Any:
-    """bench/models.py: the 2-layer GPT the benchmarks time (one definition of "the small model")."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "models.py"
-    spec = importlib.util.spec_from_file_location("_bench_models", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-models = _bench_models()
+models = bench_module("models")  # the 2-layer GPT the benchmarks time (one definition of "the small model")
 
 
 @pytest.fixture

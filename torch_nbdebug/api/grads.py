@@ -39,8 +39,25 @@ class GradReport(Displayable):
         if self._skipped:  # what the namespace held that could not be inspected, said once
             trace = dataclasses.replace(trace, notes=trace.notes + (skipped_note(self._skipped),))
         self.trace = trace
-        self.flags: tuple[Flag, ...] = trace_flags(trace, self._limits)
-        self.start_layer = _start_layer(trace, self._layer_request, self.flags)
+        self._flags: Optional[tuple[Flag, ...]] = None  # judged when first read (the view reads them)
+        # The layer to open on: an asked-for layer is checked now (a bad name is the block's error),
+        # the last nanwatch birth is looked up now (a later watch must not move it); else the first
+        # flagged layer, found with the flags.
+        self._start: Optional[int] = _start_layer(trace, self._layer_request)
+
+    @property
+    def flags(self) -> tuple[Flag, ...]:
+        """The vanishing/exploding/non-finite flags of every step (judged once, when first read)."""
+        if self._flags is None:
+            self._flags = trace_flags(self.trace, self._limits)
+        return self._flags
+
+    @property
+    def start_layer(self) -> int:
+        """The layer the stepper opens on."""
+        if self._start is None:
+            self._start = _first_flagged(self.trace, self.flags)
+        return self._start
 
     # -- data access -----------------------------------------------------------------------
     @property
@@ -239,7 +256,9 @@ def _called_name(func: ast.expr) -> Optional[str]:
     return func.attr if isinstance(func, ast.Attribute) else None
 
 
-def _start_layer(trace: GradTrace, layer: Union[int, str, None], flags: tuple[Flag, ...]) -> int:
+def _start_layer(trace: GradTrace, layer: Union[int, str, None]) -> Optional[int]:
+    """The asked-for layer, else the layer of the last nanwatch birth; None: the first flagged one
+    (:func:`_first_flagged`)."""
     if not trace.layers:
         return 0
     if layer is not None:
@@ -251,6 +270,10 @@ def _start_layer(trace: GradTrace, layer: Union[int, str, None], flags: tuple[Fl
         born = layer_for_module(trace, place)
         if born is not None:
             return born
+    return None
+
+
+def _first_flagged(trace: GradTrace, flags: tuple[Flag, ...]) -> int:
     last = len(trace.steps) - 1
     flagged = [f.layer for f in flags if f.step == last and f.kind != "frozen"]
     return min(flagged) if flagged else 0
