@@ -253,7 +253,8 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
     ours = pairs.summary("memory_timeline")
     print("(wall = elapsed seconds; cpu = this process's CPU seconds, less sensitive to other load on the machine)")
     print(f"plain step                          wall {plain.wall:.3f} s   cpu {plain.cpu:.3f} s")
-    print(f"memory_timeline (record + build)    wall {ours.wall:.3f} s   paired ratio {pairs.ratio('memory_timeline', cpu=False):.2f}x; "
+    print(f"memory_timeline (record + build)    wall {ours.wall:.3f} s   "
+          f"paired ratio {pairs.ratio('memory_timeline', cpu=False):.2f}x; "
           f"cpu paired ratio {pairs.ratio('memory_timeline'):.2f}x (targets <= 1.10x / 1.5x); "
           f"{int(statistics.median(events))} events; static SVG render {statistics.median(renders):.3f} s")
     enter, inside, leave = (statistics.median(p[i] for p in phases) * 1000 for i in range(3))
@@ -266,7 +267,8 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
               f"{spent * 1000:.1f} ms per step")
     if "profiler" in variants:
         prof, export = pairs.summary("profiler").wall, statistics.median(exports)
-        print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   paired ratio {pairs.ratio('profiler', cpu=False):.2f}x; "
+        print(f"torch.profiler(profile_memory)      wall {prof:.3f} s   "
+              f"paired ratio {pairs.ratio('profiler', cpu=False):.2f}x; "
               f"cpu paired ratio {pairs.ratio('profiler'):.2f}x; export_memory_timeline {export:.3f} s; "
               f"with export {(prof + export) / plain.wall:.2f}x")
     for name in floors:

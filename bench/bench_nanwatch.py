@@ -40,12 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import GPT, lm_loss, mlp, small_cnn, small_gpt, training_step  # noqa: E402
 from timing import Pairs, paired  # noqa: E402
 from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
+from torch_nbdebug.record.compat import EagerDispatchMode  # noqa: E402
 
 
 def mlp_case(device: str, quick: bool) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -123,11 +125,87 @@ def module_floor(params: list[torch.Tensor], stats: bool, grads: bool, optimizer
             handle.remove()
 
 
+class _OpChecks(EagerDispatchMode):
+    """Every op's floating output summed and read (a NaN/Inf propagates through the sum)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            out.sum().item()
+        return out
+
+
+class _Gate(TorchFunctionMode):
+    """Passes every torch function through; the backward runs without ``mode`` (the engine would
+    capture it with the dispatch-mode stack)."""
+
+    def __init__(self, mode: _OpChecks) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            self.mode.__exit__(None, None, None)
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.mode.__enter__()
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def op_precise_floor(params: list[torch.Tensor]) -> Iterator[None]:
+    """The least nanwatch's default (replay) design can do, on top of :func:`module_floor`: every op
+    outside the models' forwards (the loss) checked by a dispatch mode, and a function mode that takes it
+    off for the backward; both off while a model runs and while the optimizer steps (as nanwatch's)."""
+    mode = _OpChecks()
+    gate = _Gate(mode)
+    depth = [0]
+
+    def off() -> None:
+        gate.__exit__(None, None, None)
+        mode.__exit__(None, None, None)
+
+    def on() -> None:
+        mode.__enter__()
+        gate.__enter__()
+
+    def pre(module: nn.Module, args: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            off()
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            on()
+
+    def step_pre(opt: Any, args: Any, kwargs: Any) -> None:  # the step's own ops are not checked
+        off()
+
+    def step_post(opt: Any, args: Any, kwargs: Any) -> None:
+        on()
+
+    with module_floor(params, True, True, True):
+        handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True),
+                   register_optimizer_step_pre_hook(step_pre), register_optimizer_step_post_hook(step_post)]
+        try:
+            with mode, gate:
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
 def floors(params: list[torch.Tensor]) -> dict[str, Callable[[], ContextManager[Any]]]:
-    """``--floors``: module mode's floor, built up one part at a time (see :func:`module_floor`)."""
+    """``--floors``: module mode's floor, built up one part at a time (see :func:`module_floor`), and
+    the op-precise floor (:func:`op_precise_floor`)."""
     parts = {"floor: hooks": (False, False, False), "floor: +outputs": (True, False, False),
              "floor: +gradients": (True, True, False), "floor: +optimizer": (True, True, True)}
-    return {name: functools.partial(module_floor, params, *flags) for name, flags in parts.items()}
+    found: dict[str, Callable[[], ContextManager[Any]]] = {
+        name: functools.partial(module_floor, params, *flags) for name, flags in parts.items()}
+    found["floor: op-precise"] = functools.partial(op_precise_floor, params)
+    return found
 
 
 def run_case(name: str, device: str, repeats: int, warmup: int, quick: bool,
@@ -184,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--floors", action="store_true",
                     help="also time module mode's floor, part by part: global module hooks that do nothing, "
                          "+ each output's min/max/sum read, + the gradients into them, + one norm over the "
-                         "parameters per optimizer step (what any module-level watch pays)")
+                         "parameters per optimizer step (what any module-level watch pays); and the "
+                         "op-precise floor: + a dispatch mode checking each op outside the models (off while "
+                         "they run, for the optimizer step and the backward)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")

@@ -9,8 +9,9 @@
    tests/test_grads_cost.py does. Target (issue 11): at most one per step.
 2. The table of bench/bench_grads.py on the device: plain, ``torch._foreach_norm`` read once per
    step (the anchor), a per-parameter logger, and ``record_gradients`` (entering and leaving the block,
-   the exact last step and the trace included), interleaved, each call synchronised, medians of wall
-   time as paired ratios to plain. Targets: <= 1.10x on GPT-2-small-like, <= 1.5x on the small model.
+   the exact last step and the trace included), each timed back to back with the plain steps, each
+   call synchronised: median wall time and median paired ratio to plain. Targets: <= 1.10x on
+   GPT-2-small-like, <= 1.5x on the small model.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_grads import STEPS, small_gpt, variants  # noqa: E402
 from models import GPT, lm_loss, training_step  # noqa: E402
-from timing import cuda_syncs, interleave  # noqa: E402
+from timing import cuda_syncs, paired  # noqa: E402
 from torch_nbdebug.api.grads import record_gradients  # noqa: E402
 
 
@@ -64,13 +65,13 @@ def _count(dev: str, block: Callable[[], None]) -> int:
 def table(label: str, model: torch.nn.Module, vocab: int, batch: int, seq: int, dev: str, repeats: int) -> None:
     idx = torch.randint(0, vocab, (batch, seq), device=dev)
     sync = torch.cuda.synchronize if dev.startswith("cuda") else None
-    timings = interleave(variants(model, idx), repeats, warmup=1, alternate=True, sync=sync)
-    walls = timings.median_walls()
+    pairs = paired(variants(model, idx), "plain", repeats, warmup=1, sync=sync)
     n = sum(p.numel() for p in model.parameters())
     print(f"{label}: {n / 1e6:.2f}M parameters, batch {batch}, seq {seq}, {STEPS} AdamW steps per call, "
-          f"{timings.repeats('plain')} interleaved repeats, median wall time")
-    for name, wall in walls.items():
-        print(f"  {name:<13} {wall * 1e3:8.2f} ms  ratio {wall / walls['plain']:5.2f}x", flush=True)
+          f"{repeats} pairs per variant (each timed next to the plain steps), median wall time and paired ratio")
+    for name in pairs.names():
+        print(f"  {name:<13} {pairs.summary(name).wall * 1e3:8.2f} ms  ratio {pairs.ratio(name, cpu=False):5.2f}x",
+              flush=True)
 
 
 def main() -> None:

@@ -7,7 +7,8 @@
 2. Host synchronisations per training step of the 2-layer GPT beyond the plain step's
    (torch.cuda.set_sync_debug_mode counts them): the deferred path reads once per step (target <= 1).
 3. Step time of a GPT-2-small-like model (12 blocks, d=768) and of the 2-layer GPT (d=64), timed with
-   torch.cuda.synchronize, interleaved: plain, detect_anomaly, detect_anomaly(check_nan=True), nanwatch,
+   torch.cuda.synchronize, each watcher timed back to back with a plain step (median paired ratio, as
+   bench/bench_nanwatch.py on the CPU): plain, detect_anomaly, detect_anomaly(check_nan=True), nanwatch,
    nanwatch module mode.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nanwatch import watchers  # noqa: E402
 from models import GPT, lm_loss, small_gpt, training_step  # noqa: E402
-from timing import cuda_syncs, interleave  # noqa: E402
+from timing import cuda_syncs, paired  # noqa: E402
 from torch_nbdebug.api.nanwatch import nanwatch  # noqa: E402
 
 
@@ -90,9 +91,10 @@ def count_syncs(dev: str, mode: str) -> tuple[int, int]:
     return plain, watched
 
 
-def time_steps(dev: str, case: str, repeats: int) -> dict[str, float]:
-    """Median step time per watcher: the GPT-2-small-like model (batch 8, seq 255) or the 2-layer GPT
-    (batch 4, seq 32), interleaved, timed with torch.cuda.synchronize."""
+def time_steps(dev: str, case: str, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per watcher: median step time and median paired ratio to the plain step (each timed back to back
+    with a plain step, as bench_nanwatch.py does on the CPU), for the GPT-2-small-like model (batch 8,
+    seq 255) or the 2-layer GPT (batch 4, seq 32), each call synchronised with the device."""
     torch.manual_seed(0)
     if case == "gpt2":
         model, idx = GPT().to(dev), torch.randint(0, 8192, (8, 256), device=dev)
@@ -107,8 +109,9 @@ def time_steps(dev: str, case: str, repeats: int) -> dict[str, float]:
                 training_step(opt, lambda: lm_loss(model, idx[:, :-1], idx[:, 1:]))
         return watched
 
-    timings = interleave({m: step(m) for m in modes}, repeats, warmup=1, alternate=True, sync=torch.cuda.synchronize)
-    return timings.median_walls()
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else None
+    pairs = paired({m: step(m) for m in modes}, "plain", repeats, warmup=1, sync=sync)
+    return {m: (pairs.summary(m).wall, pairs.ratio(m, cpu=False)) for m in pairs.names()}
 
 
 def main() -> int:
@@ -127,10 +130,10 @@ def main() -> int:
         print(f"host syncs per training step (2-layer GPT, fwd+bwd+AdamW), nanwatch mode={mode}: "
               f"{watched - plain} beyond the plain step's {plain} (target: at most 1)")
     columns = {"gpt2": time_steps(dev, "gpt2", repeats=5), "small": time_steps(dev, "small", repeats=15)}
-    print("step time on CUDA, median of interleaved repeats, ratio to the plain step:")
+    print("step time on CUDA (median wall clock) and median paired ratio to the plain step next to it:")
     print(f"  {'':16s} {'GPT-2-small-like (b8, seq 255)':>32s} {'2-layer GPT (b4, seq 32)':>28s}")
     for mode in columns["gpt2"]:
-        cells = [f"{c[mode] * 1e3:9.2f} ms {c[mode] / c['plain']:5.2f}x" for c in columns.values()]
+        cells = [f"{c[mode][0] * 1e3:9.2f} ms {c[mode][1]:5.2f}x" for c in columns.values()]
         print(f"  {mode:16s} {cells[0]:>32s} {cells[1]:>28s}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 1 if failures else 0
