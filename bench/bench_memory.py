@@ -272,7 +272,8 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
               f"cpu paired ratio {pairs.ratio('profiler'):.2f}x; export_memory_timeline {export:.3f} s; "
               f"with export {(prof + export) / plain.wall:.2f}x")
     for name in floors:
-        print(f"floor: {name:38s} cpu paired ratio {pairs.ratio(name):.2f}x")
+        lo, hi = pairs.spread(name)
+        print(f"floor: {name:38s} cpu paired ratio {pairs.ratio(name):.2f}x [{lo:.2f}-{hi:.2f}]")
 
 
 if __name__ == "__main__":
