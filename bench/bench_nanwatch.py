@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_nanwatch.py --quick    # fewer repeats, shorter sequence
     .venv/bin/python bench/bench_nanwatch.py --models gpt2 --threads 1 --repeats 7
     .venv/bin/python bench/bench_nanwatch.py --models small --steps 10   # the watch left on over a 10-step loop
-    .venv/bin/python bench/bench_nanwatch.py --models small --floors     # + module mode's floor, part by part
+    .venv/bin/python bench/bench_nanwatch.py --models small --floors     # + the floors: module mode part by part, op-precise
 
 Every timed call is one full step (zero_grad, forward, loss, backward, optimizer.step) under the
 named watcher, which is entered and left inside the timing (as a %%nanwatch cell would). Each mode is
