@@ -530,6 +530,8 @@ class _ThreadTracker(ModuleTracker):
             if not stack:
                 outer(True)
             checks.started(args)
+        elif not stack:
+            checks.model_started(args)
         path = self.namer.name(module, stack[-1] if stack else None)
         stack.append(path)
         if self._on_enter is not None:

@@ -98,13 +98,15 @@ class DeferredChecks:
         self._push(Pending("absorb", _flags(outs + inputs), len(outs), (), (), keys + out_keys, (), None, 0,
                            tuple(k in out_keys for k in keys)))
 
-    def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, reading: Later) -> None:
-        """Module mode: queue a module's output (its inputs count as external: no op-level tracking).
-        The output's flag is the layer table's ``reading`` of it (no second reduction); its inputs are summed."""
+    def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, reading: Later,
+                     coming_in: Callable[[list[torch.Tensor]], tuple[bool, ...]]) -> None:
+        """Module mode: queue a module's output (no op-level tracking: ``coming_in`` tells which inputs are
+        data coming in, the others an enclosing module's own code made). The output's flag is the layer
+        table's ``reading`` of it (no second reduction); its inputs are summed."""
         inputs = ops.float_inputs(args, {})
         site = Site("forward", f"{type(module).__name__} (module output)", here(path, None))
-        self._push(Pending("module", _flags(inputs) if inputs else None, 1, _shapes([t]), _shapes(inputs), (), (),
-                           site, self.ctx.clock.iteration, module, reading))
+        self._push(Pending("module", _flags(inputs) if inputs else None, 1, _shapes([t]), _shapes(inputs), (),
+                           coming_in(inputs), site, self.ctx.clock.iteration, module, reading))
 
     def queue_grad(self, path: str, grad: torch.Tensor, reading: Later) -> None:
         """Module mode: queue the gradient into a module's output, flagged by the layer table's ``reading`` of it."""
@@ -183,7 +185,7 @@ class DeferredChecks:
         if p.entry == "grad":
             verdict = judge_gradient(log.has_events())
         elif p.entry == "module":
-            verdict = self._module_verdict(p, any(in_bad))
+            verdict = self._module_verdict(p, in_bad)
         else:
             keys = p.keys[: len(p.inputs)]
             facts = OpFacts(p.site.phase, out_nan, tuple(
@@ -196,11 +198,14 @@ class DeferredChecks:
             return
         self._report(p, verdict, bad, nan, neg)
 
-    def _module_verdict(self, p: Pending, inputs_bad: bool) -> Verdict:
+    def _module_verdict(self, p: Pending, in_bad: list[bool]) -> Verdict:
         path = p.site.place.module or ""
         inner = any(e.module and e.module.startswith(path + ".") for e in self.ctx.log.events)
+        had_events = self.ctx.log.has_events()
+        if any(in_bad) and not inner and not had_events and not any(b and c for b, c in zip(in_bad, p.external)):
+            return "propagation"  # an enclosing module's own code made them: judged as that module returns
         params = bad_parameters(p.extra) if not inner else []
-        return judge_module(True, inputs_bad, bool(params), self.ctx.log.has_events(), inner)
+        return judge_module(True, any(in_bad), bool(params), had_events, inner)
 
     def _report(self, p: Pending, verdict: Any, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
         ctx, n = self.ctx, p.n_out

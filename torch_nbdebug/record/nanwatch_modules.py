@@ -78,6 +78,8 @@ class ModuleChecks:
         self._starts: list[Start] = []  # replay: RNG state and argument versions of each running call, by depth
         self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
+        self._model_inputs: set[int] = set()  # module mode: ids of the outermost call's tensor arguments
+        self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
         # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
@@ -97,6 +99,20 @@ class ModuleChecks:
         if self.kept is not None and self.kept.entries and declares_inplace(module):
             with self.ctx.quiet():  # it may overwrite a kept output: read what was kept first
                 self.ctx.flush()
+
+    def model_started(self, args: Any) -> None:
+        """Module mode: the outermost call's tensor arguments (see :meth:`_coming_in`)."""
+        if not self.replaying:
+            self._model_inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+
+    def _coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
+        """Module mode: which of a call's inputs count as data coming in. A top-level call's do; a nested
+        call's only when they are the model's own arguments: else an enclosing module's code between its
+        submodules made them (no op is watched there), and that module is judged when it returns."""
+        if self._depth() <= 1:
+            return tuple(True for _ in inputs)
+        model_inputs = self._model_inputs
+        return tuple(id(x) in model_inputs for x in inputs)
 
     def use_replay(self, replayer: Replayer) -> None:
         self.kept, self.replayer = KeptReadings(), replayer
@@ -204,6 +220,9 @@ class ModuleChecks:
             return
         first = len(self.ctx.log.events)  # events of earlier checks are other births, not this output's
         freed: list[Kept] = []
+        inside: list[Kept] = []
+        waiting: list[Kept] = []  # enclosing calls of ``inside`` that could not be replayed
+        outer_inputs = {id(x) for x in (outer.live_inputs() or ())} if outer is not None else set()
         for entry in self.kept.take():
             for path in entry.paths if entry.table else ():
                 self.layers.take_forward(path, entry.values)
@@ -212,8 +231,15 @@ class ModuleChecks:
                                                   and _isfinite(values[2])):
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
+                elif outer is not None and self._made_inside(entry, outer_inputs):
+                    inside.append(entry)  # an enclosing call's own code made its inputs: that call is replayed
+                elif inside and _encloses(entry, inside):  # at module level only once the model's replay failed
+                    if not self.replayer.birth(entry, first, fallback=False) and len(self.ctx.log.events) == first:
+                        waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
+        if inside:
+            self._inside_births(inside, waiting, outer, first)
         events = self.ctx.log.events
         if freed and outer is not None and self.replayer is not None and not any(
                 e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
@@ -224,6 +250,58 @@ class ModuleChecks:
             path = entry.paths[0]
             if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
                 self.module_fallback(entry, first)
+
+    def _made_inside(self, entry: Kept, outer_inputs: set[int]) -> bool:
+        """A nested call's non-finite output whose non-finite inputs are neither the model's arguments nor
+        weights, before any birth: code of an enclosing module between its submodules made them (the
+        unwatched part of a forward). Replaying this call would only see them come in ("input data")."""
+        if self.ctx.log.has_events():
+            return False  # an earlier birth flowing through: the replayer judges it
+        inputs = entry.live_inputs() or ()
+        bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not _finite_tensor(x)]
+        return bool(bad) and not any(id(x) in outer_inputs for x in bad)
+
+    def _inside_births(self, inside: list[Kept], waiting: list[Kept], outer: Kept, first: int) -> None:
+        """Outputs of calls whose inputs an enclosing module's own code made non-finite (``_made_inside``).
+        An enclosing call kept as non-finite has been replayed by now, innermost first; if none named the
+        op (the enclosing output came out finite, or its call could not be replayed: ``waiting``), the
+        model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
+        module level, and without them each call is replayed as before (its inputs reported)."""
+        assert self.replayer is not None
+        if len(self.ctx.log.events) > first:
+            return  # an enclosing call's replay named the op: these outputs carry its values
+        if self.replayer.birth(outer, first, fallback=False) or len(self.ctx.log.events) > first:
+            return
+        for entry in waiting:
+            self.replayer.birth(entry, first)  # replays again, then reports at module level, with the reason
+            if len(self.ctx.log.events) > first:
+                return
+        for entry in inside:
+            if self._enclosing_birth(entry, outer, first):
+                return
+        for entry in inside:
+            self.replayer.birth(entry, first)
+
+    def _enclosing_birth(self, entry: Kept, outer: Kept, first: int) -> bool:
+        """No call could be replayed: the module whose code called ``entry``'s module (and made its inputs)
+        is reported at module level, at the line of that call, with a note."""
+        assert self.replayer is not None and outer.module is not None
+        child, root = entry.paths[0], outer.paths[0]
+        parent = child.rpartition(".")[0]
+        t = entry.value()
+        if t is None or not (parent == root or parent.startswith(root + ".")):
+            return False
+        try:
+            module = outer.module if parent == root else outer.module.get_submodule(parent[len(root) + 1:])
+        except (AttributeError, TypeError):  # named from another root (a shared submodule): no module here
+            return False
+        place = entry.place._replace(module=parent) if entry.place is not None else None
+        self._module_birth(parent, module, (), t, place, entry.iteration, first)
+        if len(self.ctx.log.events) == first:
+            return False
+        self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
+                           "the model's call could be replayed; reported at module level")
+        return True
 
     def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.ctx.module_path()
@@ -246,6 +324,9 @@ class ModuleChecks:
             self.layers.take_forward(path, last[1])
             if last[2] is not None:
                 last[2].paths.append(path)
+            if self._left_inside is not None and self._left_inside() is t:  # the child left it to us
+                if not self._module_birth(path, module, args, t, coming_in=self._coming_in):
+                    self._left_inside = None
             return
         if self._module_mode:  # no dispatch mode runs: our statistics ops need no quieting
             self._record_exit(path, module, args, t)
@@ -260,11 +341,12 @@ class ModuleChecks:
         if queue is not None:  # judged from the table's reading of the output, when the flush reads it
             later = Later()
             values = self.layers.forward(path, t, later)
-            queue.queue_module(path, module, args, t, later)
+            queue.queue_module(path, module, args, t, later, self._coming_in)
         else:
             values = self.layers.forward(path, t)
             if self._module_mode and _non_finite(values):
-                self._module_birth(path, module, args, t)
+                left = self._module_birth(path, module, args, t, coming_in=self._coming_in)
+                self._left_inside = weakref.ref(t) if left else None
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
@@ -362,22 +444,30 @@ class ModuleChecks:
                              False, entry.iteration))
 
     def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
-                      place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> None:
+                      place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0,
+                      coming_in: Optional[Callable[[list[torch.Tensor]], tuple[bool, ...]]] = None) -> bool:
+        """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
+        the output is left to the enclosing module (inputs an enclosing module's own code made)."""
         log = self.ctx.log
         inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
         inputs = ops.float_inputs(args, {})
-        in_bad = any(not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs)
+        bad = [not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
+        in_bad = any(bad)
+        if in_bad and coming_in is not None and not inner and not log.has_events() and \
+                not any(b and c for b, c in zip(bad, coming_in(inputs))):
+            return True  # an enclosing module's own code made them: judged as that module returns
         params_bad = not inner and not in_bad and bool(bad_parameters(module))
         verdict = judge_module(True, in_bad, params_bad, log.has_events(), inner)
         if verdict == "propagation":
-            return
+            return False
         out = stats_of([t], 1)[0]
         kind = kind_of([out])
         if self.ctx.options.ignore_inf and kind == "inf":
-            return
+            return False
         log.add(module_event(self.ctx, place or here(path, None), f"{type(module).__name__} (module output)", verdict,
                              stats_of(inputs), out, kind, module, in_bad,
                              self.ctx.clock.iteration if iteration is None else iteration))
+        return False
 
     def on_grad(self, paths: list[str], grad: torch.Tensor) -> None:
         """A gradient reached a module's output (tensor hook): table stats, and module-mode check."""
@@ -454,6 +544,17 @@ _NOTHING = contextlib.nullcontext()
 # waits on it and is read with the others when the model returns. Tests switch this off to run the
 # device's path on a CPU.
 READ_AT_EXIT = True
+
+
+def _encloses(entry: Kept, inside: list[Kept]) -> bool:
+    """Whether one of ``entry``'s module paths encloses a module path of an ``inside`` entry."""
+    return any(other.startswith(path + ".") for path in entry.paths for e in inside for other in e.paths)
+
+
+def _finite_tensor(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t`` (the cheap sum first; a sum that overflowed is confirmed element-wise)."""
+    with torch.no_grad():
+        return _isfinite(ops.sum_value(t)) or not ops.any_nonfinite(t)
 
 
 def _non_finite(values: Optional[list[float]]) -> bool:

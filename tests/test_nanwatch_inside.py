@@ -1,0 +1,163 @@
+"""A NaN made by a module's own code between two of its submodules (attention scores overflowing in
+the attention module, then fed to its output projection) is born in that module, not "already in the
+input data" of the submodule that consumes it.
+
+With replay (the default) no op runs watched inside a model, so the submodule's call sees the NaN come
+in; the enclosing call is replayed instead, and the report is the always-on watch's. Module mode names
+the enclosing module. Data that really came in with NaN is still reported as input data, at the
+submodule that first used it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torch_nbdebug.api.nanwatch import NanReport, nanwatch
+
+from nanwatch_paths import immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
+
+SRC = open(__file__).read().splitlines()
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["cpu-read-at-exit", "device-read-with-the-model"])
+def read_at_exit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_nbdebug.record import nanwatch_modules
+
+    monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", request.param)
+
+
+def line(marker: str) -> int:
+    return marker_line(SRC, marker)
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        q, k = self.qk(x).split(8, -1)
+        scores = q @ k.transpose(-1, -2)  # @inside-scores
+        return self.proj(scores.softmax(-1) @ k)  # @inside-proj
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        return self.head(self.attn(x, cache))  # @inside-net
+
+
+class Masked(nn.Module):
+    """Makes a NaN between its submodules and throws it away before returning: its output is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.log(self.fc(x) - 10)  # @inside-log
+        return torch.nan_to_num(self.out(h))
+
+
+def overflowing() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.attn.qk.weight.mul_(1e21)
+    return net
+
+
+def watch(net: nn.Module, x: torch.Tensor, cache: Any = None, **options: Any) -> NanReport:
+    with nanwatch(namespace={"net": net}, **options) as report:
+        net(x, cache).sum().backward() if cache is not None else net(x).sum().backward()
+    return report
+
+
+def first(report: NanReport) -> tuple[Any, ...]:
+    e = report.first
+    assert e is not None, report.text
+    return e.phase, e.op, e.module, e.lineno
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "always-on"])
+def test_a_nan_made_between_two_submodules_is_born_in_the_enclosing_module(replay: bool) -> None:
+    x = torch.randn(2, 5, 8)
+    report = watch(overflowing(), x, replay=replay)
+    assert first(report) == ("forward", "aten.bmm.default", "net.attn", line("@inside-scores"))
+    assert report.first.cause is None and report.first.hint and "dataset" not in report.first.hint
+
+
+class Cache:
+    """An object a forward may update (a KV cache): a call taking one is never replayed."""
+
+
+def test_when_no_enclosing_call_can_be_replayed_the_module_whose_code_made_it_is_named() -> None:
+    x = torch.randn(2, 5, 8)
+    replayed = watch(overflowing(), x, cache=Cache(), replay=True)
+    assert first(replayed) == ("forward", "Attn (module output)", "net.attn", line("@inside-proj"))
+    assert any("net.attn: its own code made" in note for note in replayed.notes), replayed.notes
+
+
+def test_a_replayable_model_call_is_replayed_when_the_enclosing_call_is_not() -> None:
+    """The attention call takes a cache object it may update: it cannot be replayed, but the model's call
+    (given no cache: the model makes one) can, and names the op as the always-on watch does."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = overflowing()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x, Cache())
+
+    x = torch.randn(2, 5, 8)
+    reports = []
+    for replay in (False, True):
+        model = Outer()
+        with nanwatch(namespace={"model": model}, replay=replay) as report:
+            model(x).sum().backward()
+        reports.append(report)
+    assert first(reports[0]) == first(reports[1]) == ("forward", "aten.bmm.default", "model.net.attn",
+                                                      line("@inside-scores"))
+
+
+def test_a_nan_made_and_thrown_away_inside_a_module_is_still_found_by_replay() -> None:
+    torch.manual_seed(0)
+    model = Masked()
+    x = torch.randn(3, 4)
+    with nanwatch(namespace={"model": model}, replay=True) as replayed:
+        model(x).sum().backward()
+    with nanwatch(namespace={"model": model}, replay=False) as always:
+        model(x).sum().backward()
+    assert first(replayed)[:3] == first(always)[:3] == ("forward", "aten.log.default", "model")
+    assert replayed.first.lineno == always.first.lineno == line("@inside-log")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_module_mode_names_the_module_whose_own_code_made_it(defer: bool) -> None:
+    x = torch.randn(2, 5, 8)
+    report = watch(overflowing(), x, mode="module", defer=defer)
+    phase, op, module, _ = first(report)
+    assert (phase, op, module) == ("forward", "Attn (module output)", "net.attn")
+
+
+@pytest.mark.parametrize("options", [dict(replay=True), dict(replay=False), dict(mode="module"),
+                                     dict(mode="module", defer=True)],
+                         ids=["replay", "always-on", "module", "module-deferred"])
+def test_data_that_came_in_with_nan_is_still_input_data_at_the_submodule_that_used_it(options: dict) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(2, 5, 8)
+    x[0, 0, 0] = float("nan")
+    report = watch(net, x, **options)
+    e = report.first
+    assert e is not None and e.phase == "input" and e.module == "net.attn.qk", report.text
