@@ -924,3 +924,33 @@ def test_a_weight_hook_added_then_removed_leaves_the_backward_replayed() -> None
     assert replayed.first.forward_op == "aten.sqrt.default" and replayed.first.module == "model.1"
     assert not [n for n in replayed.summary.notes if "watched op by op" in n]
     assert_same(always, replayed)
+
+
+class CubicTanh(nn.Module):
+    """GELU's tanh form: ``pow`` overflows to Inf, ``tanh`` turns it into 1 (the output stays finite), and
+    the backward of ``pow`` makes the NaN (Inf times 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + 0.044715 * torch.pow(x, 3.0))  # @bw-cubic
+
+
+def test_an_inf_born_and_squashed_inside_a_module_is_the_birth_its_nan_gradient_comes_from() -> None:
+    """The module's output is finite, so the check at the model's exit sees nothing; the NaN gradient
+    makes the backward replay run the forward again, which finds the forward birth: reported as the
+    always-on watch reports it (the optimizer step that then writes NaN weights is not the birth)."""
+
+    def make() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 4), CubicTanh(), nn.Linear(4, 1))
+        with torch.no_grad():
+            model[0].weight.mul_(1e20)
+        return model
+
+    def body(model: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+
+    always, replayed = both(make, body)
+    assert (replayed.first.phase, replayed.first.op, replayed.first.module, replayed.first.lineno) == \
+        ("forward", "aten.pow.Tensor_Scalar", "model.1", line("@bw-cubic"))
+    assert_same(always, replayed)

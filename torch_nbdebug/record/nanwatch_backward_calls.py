@@ -359,12 +359,14 @@ class CallChecks:
             if event.sequence_nr is not None and event.sequence_nr != compat.NO_SEQUENCE:
                 event = dataclasses.replace(event, sequence_nr=event.sequence_nr + shift if shift is not None
                                             else None)
+            if event.phase == "forward" and (event.filename, event.lineno) == probe and region.where is not None:
+                event = at_place(event, region.where)
+            if event.phase == "forward" and i in absorbed:
+                real.add_absorbed(event)
+            elif event.phase == "forward" and not real.reported_forward(event):
+                real.add(event)  # inside a module whose output came out finite (tanh of an Inf): unseen at the exit
             if event.phase == "forward" or (event.phase == "input" and event.node_name is None):
-                if i in absorbed and event.phase == "forward":
-                    if (event.filename, event.lineno) == probe and region.where is not None:
-                        event = at_place(event, region.where)
-                    real.add_absorbed(event)
-                continue  # a forward birth: the check at the model's exit reported it already
+                continue  # a forward birth the check at the model's exit reported already
             real.add(event)
         return True
 

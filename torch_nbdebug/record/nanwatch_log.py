@@ -43,6 +43,14 @@ class EventLog:
     def is_born(self, key: Optional[int]) -> bool:
         return key is not None and key in self._birth_keys
 
+    def reported_forward(self, event: NanEvent) -> bool:
+        """Whether this forward birth is in the log already (by its autograd sequence number, else by its
+        op, line and iteration)."""
+        if event.sequence_nr is not None and event.sequence_nr in self._birth_seqs:
+            return True
+        return any(e.phase == "forward" and (e.op, e.filename, e.lineno, e.iteration) ==
+                   (event.op, event.filename, event.lineno, event.iteration) for e in self.events)
+
     def from_absorbed(self, key: Optional[int]) -> bool:
         """Is this storage the output of a forward birth that was thrown away (the where trap)?"""
         return bool(self.absorbed) and key is not None and self._birth_keys.get(key) in self.absorbed
