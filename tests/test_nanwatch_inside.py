@@ -161,3 +161,25 @@ def test_data_that_came_in_with_nan_is_still_input_data_at_the_submodule_that_us
     report = watch(net, x, **options)
     e = report.first
     assert e is not None and e.phase == "input" and e.module == "net.attn.qk", report.text
+
+
+@pytest.mark.parametrize("options", [dict(replay=True), dict(mode="module")], ids=["replay", "module"])
+def test_a_clean_step_with_the_loss_inside_the_model_says_what_was_checked(options: dict) -> None:
+    """No op runs outside the model (a Hugging Face model computes its own loss): the module calls were
+    checked, and a clean report says so instead of "no op was checked, so this says nothing"."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x).square().mean()
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    with nanwatch(namespace={"model": model}, **options) as report:
+        model(torch.randn(2, 5, 8)).backward()
+    assert report.first is None and report.summary.ops_checked == 0
+    assert report.text().startswith("nanwatch: no NaN/Inf born (0 ops and 6 module calls checked"), report.text()
+    assert "says nothing" not in report.text() and 'class="card ok"' in report.html()

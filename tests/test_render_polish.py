@@ -21,7 +21,12 @@ from torch_nbdebug.render.nanwatch import NanView, report_html, report_text, sou
 def test_clean_report_is_green_only_when_the_data_supports_it() -> None:
     assert 'class="card ok"' in report_html(NanSummary(ops_checked=5))
     unchecked = report_html(NanSummary(ops_checked=0, notes=("could not check aten.mm",)))
-    assert 'class="card caution"' in unchecked and "no op was checked" in unchecked
+    assert 'class="card caution"' in unchecked and "no op or module output was checked" in unchecked
+    # Replay and module mode check a model's ops through its module calls: that is not "nothing checked".
+    by_modules = NanSummary(ops_checked=0, layers=(LayerStats("model.fc", 2, fwd_finite=True),
+                                                   LayerStats("model", 2, fwd_finite=True)))
+    assert 'class="card ok"' in report_html(by_modules) and "0 ops and 4 module calls checked" in report_html(by_modules)
+    assert report_text(by_modules) == "nanwatch: no NaN/Inf born (0 ops and 4 module calls checked, mode=op)"
     leaked = NanSummary(ops_checked=9, layers=(LayerStats("model.fc", 1, fwd_finite=False),))
     assert 'class="card ok"' not in report_html(leaked) and "not caught" in report_text(leaked)
 

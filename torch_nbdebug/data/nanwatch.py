@@ -170,6 +170,18 @@ class NanSummary:
     def first(self) -> Optional[NanEvent]:
         return self.events[0] if self.events else None
 
+    @property
+    def module_calls(self) -> int:
+        """Module calls whose outputs were checked (the layer table's calls)."""
+        return sum(layer.calls for layer in self.layers)
+
+    def checked(self, sep: str = "") -> str:
+        """What was checked, in words: ``"12 ops checked"``, ``"0 ops and 19 module calls checked"`` (with
+        replay or in module mode a model's ops are covered by its module calls). ``sep``: "," for thousands."""
+        calls = self.module_calls
+        ops = f"{self.ops_checked:{sep}} op{'' if self.ops_checked == 1 else 's'}"
+        return ops + (f" and {calls:{sep}} module call{'' if calls == 1 else 's'}" if calls else "") + " checked"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "events": [e.to_dict() for e in self.events],

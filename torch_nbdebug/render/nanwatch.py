@@ -27,7 +27,7 @@ def report_text(s: NanSummary, finished: bool = True) -> str:
     lines = []
     first = s.first
     if first is None:
-        lines.append(f"nanwatch: no NaN/Inf born ({s.ops_checked} ops checked, mode={s.mode})")
+        lines.append(f"nanwatch: no NaN/Inf born ({s.checked()}, mode={s.mode})")
         if clean_doubt(s):
             lines.append("  " + clean_doubt(s))
     else:
@@ -86,12 +86,12 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
 
 def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     if e is None:
-        doubt = clean_doubt(s)
+        doubt, checked = clean_doubt(s), s.checked(",")
         if doubt:  # never a green "all clear" the data does not support
             return (f'<blockquote class="card caution"><b class="warn" style="color:{AMBER}">⚠ nanwatch: no NaN/Inf birth recorded</b> '
-                    f'{muted(f"({s.ops_checked:,} ops checked, mode {esc(s.mode)})")}<br>{esc(doubt)}</blockquote>')
+                    f'{muted(f"({checked}, mode {esc(s.mode)})")}<br>{esc(doubt)}</blockquote>')
         return (f'<blockquote class="card ok"><b class="good" style="color:{GREEN}">✓ nanwatch: no NaN/Inf born</b> '
-                f'{muted(f"— every value stayed finite ({s.ops_checked:,} ops checked, mode {esc(s.mode)})")}'
+                f'{muted(f"— every value stayed finite ({checked}, mode {esc(s.mode)})")}'
                 f'</blockquote>')
     rows = [("Where", _where(e)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
     if e.phase == "backward" and e.forward_op:
@@ -118,8 +118,8 @@ def clean_doubt(s: NanSummary) -> str:
             return "the NaN/Inf values in the table come from the absorbed births listed below."
         return ("but some layer outputs or gradients below hold NaN/Inf: they were not created by a watched op "
                 "(see the notes), so their birth was not caught.")
-    if s.ops_checked == 0:
-        return "but no op was checked, so this says nothing about the values (see the notes)."
+    if s.ops_checked == 0 and s.module_calls == 0:
+        return "but no op or module output was checked, so this says nothing about the values (see the notes)."
     return ""
 
 

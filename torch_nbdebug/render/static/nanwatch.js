@@ -41,8 +41,22 @@ function cleanDoubt(report) {
     return "but some layer outputs or gradients below hold NaN/Inf: they were not created by a watched op " +
       "(see the notes), so their birth was not caught.";
   }
-  if (!report.ops_checked) return "but no op was checked, so this says nothing about the values (see the notes).";
+  if (!report.ops_checked && !moduleCalls(report)) {
+    return "but no op or module output was checked, so this says nothing about the values (see the notes).";
+  }
   return "";
+}
+
+// Module calls whose outputs were checked (with replay or in module mode they cover a model's ops).
+function moduleCalls(report) {
+  return (report.layers || []).reduce((n, l) => n + (l.calls || 0), 0);
+}
+
+// What was checked, in words; same rule as NanSummary.checked.
+function checked(report) {
+  const ops = report.ops_checked || 0, calls = moduleCalls(report);
+  return `${ops.toLocaleString()} op${ops === 1 ? "" : "s"}` +
+    (calls ? ` and ${calls.toLocaleString()} module call${calls === 1 ? "" : "s"}` : "") + " checked";
 }
 
 function card(e, report) {
@@ -50,10 +64,10 @@ function card(e, report) {
     const doubt = cleanDoubt(report);
     if (doubt) {  // never a green "all clear" the data does not support
       return h("div", { class: "card caution nw-card" }, h("b", { class: "warn" }, "nanwatch: no NaN/Inf birth recorded"),
-        h("span", { class: "muted" }, ` (${(report.ops_checked || 0).toLocaleString()} ops checked, mode ${report.mode})`), h("div", {}, doubt));
+        h("span", { class: "muted" }, ` (${checked(report)}, mode ${report.mode})`), h("div", {}, doubt));
     }
     return h("div", { class: "card ok nw-card" }, h("b", { class: "good" }, "✓ nanwatch: no NaN/Inf born"),
-      h("span", { class: "muted" }, ` — every value stayed finite (${(report.ops_checked || 0).toLocaleString()} ops checked, mode ${report.mode})`));
+      h("span", { class: "muted" }, ` — every value stayed finite (${checked(report)}, mode ${report.mode})`));
   }
   const where = [];
   if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
