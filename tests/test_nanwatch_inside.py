@@ -183,3 +183,41 @@ def test_a_clean_step_with_the_loss_inside_the_model_says_what_was_checked(optio
     assert report.first is None and report.summary.ops_checked == 0
     assert report.text().startswith("nanwatch: no NaN/Inf born (0 ops and 6 module calls checked"), report.text()
     assert "says nothing" not in report.text() and 'class="card ok"' in report.html()
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "always-on"])
+def test_a_nan_row_of_an_embedding_is_named_as_the_parameter_it_came_from(replay: bool) -> None:
+    """``embedding`` only copies rows (no check watches it): the next op sees the NaN come in, and the
+    parameter it was copied from is named, without a note blaming randomness for a replay that found no op."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight[3] = float("nan")
+    with nanwatch(namespace={"model": model}, replay=replay) as report:
+        model(torch.tensor([[1, 3, 5]])).sum().backward()
+    e = report.first
+    assert e is not None and e.phase == "input" and e.param == "model.0.weight", report.text()
+    assert e.cause == "nonfinite_parameter" and not report.notes
+
+
+class Buckets(nn.Module):
+    """T5's relative-position buckets: ``log(0)`` is -Inf, scaled, cast to ``long`` and selected away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 2)
+
+    def forward(self, distance: torch.Tensor) -> torch.Tensor:
+        large = 4 + (torch.log(distance.float() / 4) / 0.7 * 4).to(torch.long)  # @inside-bucket
+        return self.emb(torch.where(distance < 4, distance, large.clamp(max=7)))
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "always-on"])
+def test_an_inf_cast_to_integers_and_selected_away_is_no_birth(replay: bool) -> None:
+    torch.manual_seed(0)
+    model = Buckets()
+    with nanwatch(namespace={"model": model}, replay=replay) as report:
+        model(torch.arange(8)).sum().backward()
+    assert report.first is None, report.text()
+    if not replay:  # the always-on watch saw the log(0): listed as absorbed, not as a birth
+        assert [(e.op, e.lineno) for e in report.absorbed] == [("aten.log.default", line("@inside-bucket"))]

@@ -9,6 +9,7 @@ import torch
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import OpPhase
 from torch_nbdebug.record.nanwatch_context import WatchContext
+from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
@@ -31,10 +32,23 @@ class AmpChecks:
         # gradients belong to the last backward's iteration.
         self.ctx.log.scaler_skipped(max(1, self.ctx.clock.iteration - 1) if skipped else None)
 
+    def _to_integers(self, src: torch.Tensor, out: Any) -> None:
+        """A born NaN/Inf cast to integers or booleans (``x.long()``: T5's bucket of log(0)) is thrown away,
+        as ``torch.where`` throws it away: the birth is listed as absorbed (immediate path; the deferred
+        one keeps it a birth)."""
+        log = self.ctx.log
+        key = storage_key(src)
+        if self.deferred is None and log.carries_birth(key) and isinstance(out, torch.Tensor) and \
+                not out.is_floating_point() and not out.is_complex():
+            log.cast_away(key)
+
     def check_cast(self, func: Any, args: tuple, out: Any, phase: OpPhase, node: Any, seq: Optional[int]) -> None:
         """A narrowing copy (float32 -> float16) can overflow: check it like an op reading the source."""
         src = ops.cast_source(func, args)
         outs = ops.float_outputs(out)
+        if src is not None and not outs and self.ctx.log.tracking_births():
+            self._to_integers(src, out)
+            return
         if src is None or not outs or self.ctx.log.full() or not ops.narrows(src.dtype, outs[0].dtype):
             return
         if self.deferred is not None:

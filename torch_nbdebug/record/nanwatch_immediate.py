@@ -16,6 +16,7 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import InputFact, OpFacts, OpPhase, judge, judge_absorb
 from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch_events import node_input_producer, producer, stats_of
+from torch_nbdebug.record.nanwatch_params import copied_from
 from torch_nbdebug.record.stats import summarize
 from torch_nbdebug.record.tensors import storage_key
 
@@ -50,11 +51,13 @@ class ImmediateChecks:
         verdict = judge(facts)
         if verdict == "propagation":
             if phase == "forward":
-                log.propagated(keys)
+                log.propagated(keys, [storage_key(t) for t in bad])
             return
         site = op_site(self.ctx, func, phase, node, seq, sys._getframe(1))
         shown, detail = shown_inputs(verdict, in_bad, inplace)
         made_by = node_input_producer(node) if phase == "backward" else producer(inputs[0]) if inputs else None
+        if verdict == "input" and phase == "forward":  # a parameter's NaN copied by an unchecked op (embedding)
+            keys = keys + copied_from([t for t, b in zip(inputs, in_bad) if b])
         event = report_op(self.ctx, site, verdict, "nan" if facts.out_nan else "inf",
                           stats_of([inputs[i] for i in shown]), summarize(bad[0]), keys, made_by,
                           self.ctx.clock.iteration, deferred=False, detail=detail)

@@ -28,6 +28,7 @@ class EventLog:
         self._birth_keys: dict[int, int] = {}  # storage key of a forward birth's output -> event index
         self._birth_seqs: dict[int, int] = {}  # autograd sequence nr of a forward birth -> event index
         self._held: dict[int, list[NanEvent]] = {}  # backward births waiting for their node to finish
+        self._carried: dict[int, int] = {}  # storage key of an op output carrying a forward birth on -> its index
 
     # -- questions ------------------------------------------------------------------------------
     def has_events(self) -> bool:
@@ -39,6 +40,10 @@ class EventLog:
     def tracking_births(self) -> bool:
         """Whether an absorbing op (where, masked_fill) could throw a birth away: only after one."""
         return bool(self._birth_keys)
+
+    def carries_birth(self, key: Optional[int]) -> bool:
+        """Whether this storage holds a forward birth's output, or an op's output that carried it on."""
+        return key is not None and (key in self._birth_keys or key in self._carried)
 
     def is_born(self, key: Optional[int]) -> bool:
         return key is not None and key in self._birth_keys
@@ -107,12 +112,27 @@ class EventLog:
             if gone and key is not None and key in self._birth_keys:
                 self.absorbed.add(self._birth_keys[key])
 
-    def propagated(self, keys: Iterable[Optional[int]]) -> None:
-        """A non-finite value flowed on: the forward birth it came from was not absorbed after all."""
+    def propagated(self, keys: Iterable[Optional[int]], out_keys: Iterable[Optional[int]] = ()) -> None:
+        """A non-finite value flowed on: the forward birth it came from was not absorbed after all. Its
+        outputs (``out_keys``) carry that birth on (:meth:`cast_away`)."""
+        came = None
         for key in keys:
-            index = self._birth_keys.get(key) if key is not None else None
+            index = self._birth_keys.get(key, self._carried.get(key)) if key is not None else None
             if index is not None:
                 self.absorbed.discard(index)
+                came = index
+        if came is not None and len(self._carried) < _MAX_CARRIED:
+            for key in out_keys:
+                if key is not None:
+                    self._carried.setdefault(key, came)
+
+    def cast_away(self, key: Optional[int]) -> None:
+        """A tensor carrying a forward birth's NaN/Inf was cast to integers or booleans (T5's relative
+        position bucket: ``log(0)`` cast to ``long``, then selected away): its values are gone, as in the
+        where trap. The birth is absorbed unless its values flow on elsewhere."""
+        index = self._birth_keys.get(key, self._carried.get(key)) if key is not None else None
+        if index is not None:
+            self.absorbed.add(index)
 
     # -- backward births wait for their node ----------------------------------------------------
     def hold(self, node_key: int, event: NanEvent) -> bool:
@@ -164,6 +184,8 @@ class EventLog:
 
     def clear_keys(self) -> None:
         self._birth_keys.clear()
+        self._carried.clear()
 
 
+_MAX_CARRIED = 4096  # outputs remembered as carrying a birth on (a training loop after a birth: bounded)
 SCALER_SKIPPED = "GradScaler found this non-finite gradient and skipped the optimizer step"

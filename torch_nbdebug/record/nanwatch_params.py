@@ -54,10 +54,42 @@ def storage_index(namespace: Optional[Mapping[str, Any]]) -> dict[int, tuple[str
     return index
 
 
+# Autograd nodes of ops that only copy or select values (the unchecked ops of nanwatch_ops._SAFE that make
+# a graph): a non-finite value after one of them was already in what it read.
+_COPIES = frozenset("""
+EmbeddingBackward0 EmbeddingDenseBackward0 IndexSelectBackward0 GatherBackward0 IndexBackward0 CloneBackward0
+ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 TBackward0 TransposeBackward0 PermuteBackward0
+ExpandBackward0 SliceBackward0 SelectBackward0 SqueezeBackward0 SqueezeBackward1 SqueezeBackward2
+UnsqueezeBackward0 CatBackward0 StackBackward0 SplitBackward0 SplitWithSizesBackward0 UnbindBackward0
+NarrowBackward0 ToCopyBackward0 AliasBackward0 AsStridedBackward0 RepeatBackward0 FlipBackward0 RollBackward0
+""".split())
+_MAX_WALK = 64
+
+
+def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
+    """Storage keys of the leaf tensors (parameters) that ``tensors`` were copied or selected from by ops
+    no check watches (``embedding``, ``index_select``, views, ``cat``): the autograd graph walked back
+    through such ops only. Asked only for an input event (rare)."""
+    stack = [t.grad_fn for t in tensors if getattr(t, "grad_fn", None) is not None]
+    keys: list[Optional[int]] = []
+    seen: set[int] = set()
+    while stack and len(seen) < _MAX_WALK:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            keys.append(storage_key(variable))
+        elif node.name() in _COPIES:
+            stack += [f for f, _ in node.next_functions]
+    return keys
+
+
 def carriers(namespace: Optional[Mapping[str, Any]], keys: Iterable[Optional[int]]) -> Carrier:
     """Which of these storages are a model's parameters or buffers (parameters named first)."""
     index = storage_index(namespace)
-    found = [index[k] for k in keys if k is not None and k in index]
+    found = list(dict.fromkeys(index[k] for k in keys if k is not None and k in index))  # each once
     found.sort(key=lambda item: item[1] != "parameter")
     if not found:
         return Carrier((), None)

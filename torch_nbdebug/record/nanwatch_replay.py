@@ -342,10 +342,12 @@ class Replayer:
             if len(log.events) > before:
                 return True
             why = "the replay stayed finite (randomness or state outside the call, or nondeterminism)"
+            if _nonfinite_weights(entry.module):  # copied out by ops no check watches (an embedding's row)
+                why = ""
         if not fallback:
             return False
         self._fallback(entry, first)
-        if len(log.events) > before:
+        if len(log.events) > before and why:
             self.note(NOT_REPLAYED.format(module=path, why=why))
         return False
 
@@ -353,6 +355,12 @@ class Replayer:
         """A sentence for the report's notes (at most three, each once)."""
         if len(self.notes) < 3 and note not in self.notes:
             self.notes.append(note)
+
+
+def _nonfinite_weights(module: torch.nn.Module) -> bool:
+    """Whether one of the module's own parameters holds a NaN/Inf: the module-level event names it."""
+    with torch.no_grad():
+        return any(p.is_floating_point() and not _finite(p) for p in module.parameters(recurse=False))
 
 
 def _finite(t: torch.Tensor) -> bool:

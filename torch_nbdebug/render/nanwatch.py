@@ -108,7 +108,7 @@ def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
             f"<table>{body}</table></div>")
 
 
-ABSORBED_TITLE = "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler"
+ABSORBED_TITLE = "Absorbed: thrown away by torch.where / masked_fill or a cast to integers, or skipped by GradScaler"
 
 
 def clean_doubt(s: NanSummary) -> str:

@@ -174,7 +174,7 @@ export default {
       const select = (i) => { model.set("selected", i); model.save_changes(); };
       root.replaceChildren(...[card(e, report), source(report, e), layers(report, e), events(report, selected, select),
         report.absorbed.length ? h("div", { class: "muted" },
-          "Absorbed: thrown away by torch.where / masked_fill, or skipped by GradScaler: ",
+          "Absorbed: thrown away by torch.where / masked_fill or a cast to integers, or skipped by GradScaler: ",
           report.absorbed.map((a) => `${a.op} at line ${a.lineno}`).join("; ")) : null,
         ...report.notes.map((t) => h("div", { class: "muted" }, `note: ${t}`))].flat().filter(Boolean));
       if (focused !== null) {
