@@ -222,3 +222,59 @@ def test_operands_are_told_apart_by_identity_not_by_looks() -> None:
     del fc, x
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+DEV_LIBRARY = '''
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.emb(ids)
+'''
+
+
+def test_explain_exception_names_a_model_from_a_library_installed_in_development_mode(tmp_path: Any) -> None:
+    """A library of the user's installed with ``pip install -e`` is user code (not under site-packages):
+    the innermost user frame is in it, but the model is named in the globals further out (here: this
+    module's, as a notebook's)."""
+    import importlib.util
+
+    path = tmp_path / "devlib_tagger.py"
+    path.write_text(DEV_LIBRARY)
+    spec = importlib.util.spec_from_file_location("devlib_tagger", path)
+    assert spec is not None and spec.loader is not None
+    library = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(library)
+    globals()["tagger"] = library.Tagger()
+    try:
+        with pytest.raises(IndexError) as info:
+            tagger(torch.tensor([[3, 12]]))  # noqa: F821 - set just above, as a notebook cell would
+        diagnosis = explain_exception(info.value)
+        assert diagnosis is not None and diagnosis.module == "tagger.emb", diagnosis
+    finally:
+        del globals()["tagger"]
+
+
+class PositionAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, 64)
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds + self.pos(torch.arange(embeds.shape[1])).to(embeds.device)
+
+
+def test_the_op_named_is_the_expression_that_raised_not_the_last_call_on_the_line() -> None:
+    """``a + b.to(d)`` fails in the ``+`` (Python's column positions say so, as a traceback's carets do),
+    not in ``to``, the line's last call."""
+    model = PositionAdd()
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(2, 16, 48))
+    diagnosis = explain_exception(info.value, namespace={"model": model})
+    assert diagnosis is not None and diagnosis.kind == "shape" and diagnosis.op == "aten::add", diagnosis

@@ -174,7 +174,7 @@ def explain(*, check_indices: bool = False, namespace: Optional[Mapping[str, Any
 def explain_exception(exc: BaseException, namespace: Optional[Mapping[str, Any]] = None) -> Optional[Diagnosis]:
     """Explain a caught exception post mortem, from its traceback; None when it is not a PyTorch error.
 
-    namespace: where to find model names (default: the globals of the innermost user frame).
+    namespace: where to find model names (default: the globals of the traceback's user frames, innermost first).
     """
     if not isinstance(exc, BaseException):
         raise InputError(f"explain_exception needs an exception object (e.g. `except Exception as e: "

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import linecache
 import os
 import re
 import sys
 import types
+from collections import ChainMap
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -51,12 +53,12 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     frames = [(f, n) for f, n in frames_of(exc) if not f.f_code.co_filename.startswith(_IGNORED)]
     user = next(((f, n) for f, n in reversed(frames) if is_user_file(f.f_code.co_filename)), None)
     if namespace is None:
-        namespace = user[0].f_globals if user is not None else {}
+        namespace = _user_globals(frames)
     names = qualified_names(module_roots(namespace))
     operands = tuple(_operands(frames, names, user))
     facts: dict[str, Any] = dict(exc_type=type(exc).__name__, message=str(exc),
                                  from_torch=_from_torch(exc, frames, user, operands), operands=operands)
-    facts.update(_where_facts(frames, user, names))
+    facts.update(_where_facts(frames, user, names, _lasti_of(exc, frames[-1][0]) if frames else -1))
     if _INDEX_MESSAGE.search(str(exc)) and "CUDA error" not in str(exc):  # after an assert, no kernel may run
         facts.update(_index_facts(frames, facts.get("call", "")))
     if "inplace operation" in facts["message"] and not facts.get("inplace_modules"):
@@ -66,14 +68,28 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     return FailureFacts(**facts)
 
 
-def _where_facts(frames: Frames, user: Optional[tuple[types.FrameType, int]], names: dict[int, str]) -> dict[str, Any]:
-    """The user's line, the call that failed, the innermost running module and the model around it."""
+def _user_globals(frames: "Frames") -> Mapping[str, Any]:
+    """The globals of every user frame of the traceback, the innermost first: a user's own library
+    installed in development mode (not under site-packages) is user code, but the model is named in the
+    notebook's globals further out."""
+    spaces: list[Mapping[str, Any]] = []
+    for frame, _ in reversed(frames):
+        if is_user_file(frame.f_code.co_filename) and all(frame.f_globals is not g for g in spaces):
+            spaces.append(frame.f_globals)
+    return ChainMap(*spaces) if len(spaces) > 1 else spaces[0] if spaces else {}
+
+
+def _where_facts(frames: Frames, user: Optional[tuple[types.FrameType, int]], names: dict[int, str],
+                 tb_lasti: int = -1) -> dict[str, Any]:
+    """The user's line, the call that failed, the innermost running module and the model around it.
+    ``tb_lasti``: the instruction of the innermost frame that raised (-1: unknown)."""
     facts: dict[str, Any] = {}
     if user is not None:
         src = line_of(user[0].f_code.co_filename, user[1], user[0].f_code.co_name)
         facts.update(filename=src.filename, lineno=src.lineno, line=src.text)
     if frames:
-        facts["call"] = _last_call(line_of(frames[-1][0].f_code.co_filename, frames[-1][1]).text)
+        facts["call"] = _raising_call(tb_lasti, frames[-1][0]) or \
+            _last_call(line_of(frames[-1][0].f_code.co_filename, frames[-1][1]).text)
     modules = [m for m in (_module_of(f) for f, _ in frames) if m is not None]
     if modules:
         module = modules[-1]
@@ -141,6 +157,46 @@ def _short_repr(module: nn.Module) -> str:
 
 _OPERATORS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.MatMult: "matmul",
               ast.Pow: "pow", ast.FloorDiv: "floor_divide", ast.Mod: "remainder"}
+
+
+def _lasti_of(exc: BaseException, frame: types.FrameType) -> int:
+    """The instruction of ``frame`` that raised ``exc`` (its traceback entry's ``tb_lasti``), or -1."""
+    tb, lasti = exc.__traceback__, -1
+    while tb is not None:
+        if tb.tb_frame is frame:
+            lasti = tb.tb_lasti
+        tb = tb.tb_next
+    return lasti
+
+
+def _raising_call(lasti: int, frame: types.FrameType) -> str:
+    """The name of the operation that raised, from the exact expression Python points at (its
+    column positions, as a traceback's ``^^^^`` marks): ``a + b.to(d)`` raising in ``+`` -> ``add``
+    (the line's last call would say ``to``). "" when the positions or the source are not there."""
+    if lasti < 0:
+        return ""
+    try:
+        positions = list(frame.f_code.co_positions())[lasti // 2]
+    except (AttributeError, IndexError):  # (before Python 3.11: no positions)
+        return ""
+    start, end, col, end_col = positions
+    if None in positions:
+        return ""
+    lines = [linecache.getline(frame.f_code.co_filename, n).rstrip("\n") for n in range(start, end + 1)]
+    if not lines or not lines[-1]:
+        return ""
+    segment = "\n".join(lines)[col:len("\n".join(lines)) - len(lines[-1]) + end_col] if len(lines) > 1 \
+        else lines[0][col:end_col]
+    try:
+        node = ast.parse(segment.strip(), mode="eval").body
+    except SyntaxError:
+        return ""
+    if isinstance(node, ast.BinOp):
+        return _OPERATORS.get(type(node.op), "")
+    if isinstance(node, ast.Call):
+        func = node.func
+        return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return ""
 
 
 def _last_call(line: str) -> str:
