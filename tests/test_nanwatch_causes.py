@@ -288,3 +288,16 @@ def test_births_and_causes_on_cuda() -> None:
     assert (report.first.op, report.first.lineno, report.first.cause) == \
         ("LogBackward0", line("# @cuda-where"), "where_trap")
     assert [e.op for e in report.absorbed] == ["aten.log.default"]
+
+
+# -- pow: which of its three ways to go non-finite -----------------------------------------------------
+@pytest.mark.parametrize("base, exponent, words", [
+    (torch.full((4,), 1e20), 3.0, "pow overflowed"),  # (1e20)**3 passes float32's largest number
+    (torch.tensor([0.0, 1.0]), -1.0, "0 to a negative power"),
+    (torch.tensor([-1.0, 4.0]), 0.5, "negative base with a fractional exponent"),
+])
+def test_the_pow_hint_names_the_way_it_went_non_finite(base: torch.Tensor, exponent: float, words: str) -> None:
+    with nanwatch() as report:
+        torch.pow(base, exponent)
+    e = report.first
+    assert e is not None and e.op == "aten.pow.Tensor_Scalar" and words in e.hint, (e and e.hint)

@@ -86,8 +86,15 @@ def _forward_hint(name: str, event: NanEvent) -> str:
     if name in ("sqrt", "rsqrt"):
         return f"{name} of a negative number gives NaN: clamp the input (x.clamp_min(0)) or add eps."
     if name == "pow":
-        return ("pow of a negative base with a fractional exponent gives NaN, and 0 to a negative power gives "
-                "inf: clamp the base or use abs().")
+        if event.kind == "nan" and _has(ins, "neg"):
+            return "pow of a negative base with a fractional exponent gives NaN: clamp the base or use abs()."
+        if event.kind == "inf" and not _has(ins, "zero"):
+            limit = f"{half}'s largest value {_HALF_MAX[half]:.5g}" if half else "the dtype's largest number"
+            return (f"pow overflowed: a large base raised to the exponent passed {limit}. The base is already "
+                    "large here: scale it down earlier (a smaller init or learning rate), normalise it, or "
+                    "compute this in float32.")
+        return ("0 to a negative power gives inf, and a negative base with a fractional exponent gives NaN: "
+                "add eps to the base, or clamp it (or use abs()).")
     if name in ("div", "reciprocal", "floor_divide", "remainder", "fmod"):
         if event.kind == "nan":
             return "0/0 gives NaN: guard the denominator (x / (d + eps) or d.clamp_min(eps))."
@@ -149,7 +156,9 @@ def _backward_hint(event: NanEvent) -> str:
     if name in ("log", "log2", "log10"):
         return f"The gradient of log at 0 is infinite (1/x): clamp the input away from 0{fwd}."
     if name in ("pow",):
-        return f"The gradient of pow with an exponent below 1 is infinite at 0: add eps to the base{fwd}."
+        return ("The gradient of pow is non-finite here: with an exponent below 1 it is infinite at a base of 0 "
+                "(add eps to the base); with a large base, base**(exponent-1) overflows, or the forward already "
+                f"overflowed and a later op (tanh, sigmoid) hid it (scale the base down, or compute in float32){fwd}.")
     if name in ("norm", "linalgvectornorm"):
         return f"The gradient of a norm at the zero vector is 0/0 = NaN: add eps inside the norm{fwd}."
     if name in ("div",):
