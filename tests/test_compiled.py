@@ -67,6 +67,28 @@ def compiled() -> Iterator[tuple[Net, Any]]:
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("watch", ["nanwatch", "nanwatch-module", "memory_timeline", "explain", "repro"])
+def test_a_compiled_model_called_inside_a_watch_gives_no_warning_about_the_watchs_own_hooks(
+        compiled: tuple[Net, Any], watch: str) -> None:
+    """Torch warns at every call of a ``torch.compile`` wrapper while global module hooks exist (they fire an
+    extra time for the wrapper): the watches' hooks know the wrapper, the warning is not for the user. The
+    user's warning filters are as they were afterwards."""
+    _, model = compiled
+    before = list(warnings.filters)
+    blocks = {"nanwatch": nb.nanwatch, "nanwatch-module": lambda: nb.nanwatch(mode="module"),
+              "memory_timeline": nb.memory_timeline, "explain": nb.explain}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if watch == "repro":
+            nb.repro(lambda: model(torch.randn(3, 4)).sum())
+        else:
+            with blocks[watch]():
+                model(torch.randn(3, 4)).sum().backward()
+        inner = list(warnings.filters)
+    assert not [w for w in seen if "global hooks" in str(w.message)], [str(w.message) for w in seen]
+    assert inner[0][0] == "always" and list(warnings.filters) == before
+
+
 # -- the watches with a dispatch mode: eager inside (and said so), compiled after -------------------
 def test_op_nanwatch_sees_compiled_code_eagerly_and_leaves_it_compiled(compiled: tuple[Net, Any]) -> None:
     _, model = compiled
@@ -329,3 +351,12 @@ def test_compiling_inside_the_watch_still_compiles_afterwards() -> None:
     """)
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_repro_runs_compiled_code_eagerly_twice_says_so_and_leaves_it_compiled(compiled: tuple[Net, Any]) -> None:
+    """%%repro's recorder is a dispatch mode: without the eager stance, dynamo marked the model's code
+    "skip" for good and it ran eagerly for the rest of the session."""
+    _, model = compiled
+    report = nb.repro(lambda: model(torch.randn(3, 4)).sum(), state=model, restore_rng=True)
+    assert_still_compiled(model)
+    assert any("ran eagerly while repro ran it twice" in n for n in report.summary.notes), report.summary.notes

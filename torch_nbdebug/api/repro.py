@@ -18,6 +18,7 @@ from torch_nbdebug.data.repro import (Cause, Divergence, NondeterministicUse, Op
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.repro import (explain, find_divergence, first_op, missing_ops, nondeterministic_uses,
                                          preflight, summarize)
+from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.repro import ReproRecorder
 from torch_nbdebug.record.source import skipped_note
 from torch_nbdebug.record.repro_state import StateSnapshot, end_state, is_state, read_settings, state_in
@@ -136,6 +137,8 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
     run1 = ReproRecorder(names, labels=snapshot.labels, pristine=snapshot.pristine,
                          before_write=snapshot.before_write if watches else None,
                          movable=snapshot.movable if watches else None, move=snapshot.move if watches else None)
+    # The recorder's dispatch mode would make torch.compile drop compiled code for good.
+    compiled = CompiledCode(names, _COMPILED_PURPOSE).__enter__()
     try:
         try:
             with run1:
@@ -159,7 +162,14 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
         report.finished = True
         return report, value
     finally:
+        compiled.__exit__(None, None, None)
+        if compiled.note and report.summary is not None:
+            report.summary = dataclasses.replace(report.summary, notes=report.summary.notes + (compiled.note,))
         snapshot.release()
+
+
+_COMPILED_PURPOSE = ("repro ran it twice (compiled code cannot run under the recorder's dispatch mode), so the "
+                     "ops compared are the eager ones")
 
 
 def repro(fn: Callable[[], Any], state: Any = None, *, restore_rng: bool = True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -30,7 +31,7 @@ __all__ = [
     "TorchVersionError", "at_least", "bind", "compiled_callables", "cuda_history_enabled",
     "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
-    "function_stack_len", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
+    "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
     "parse_version", "pop_dispatch_mode", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
     "queue_backward_callback", "require", "restore_stance", "start_cuda_memory_history",
@@ -308,6 +309,39 @@ def force_eager() -> Any:
 def restore_stance(stance: Any) -> None:
     """Put back the compiler stance that was current before :func:`force_eager`."""
     stance.__exit__(None, None, None)
+
+
+class _HookWarningFilter:
+    """While any of this package's global module hooks is installed, torch's warning that a
+    ``torch.compile(module)`` wrapper makes global hooks fire an extra time is ours to handle (the tools
+    know the wrapper and its model as one), not the user's: it is filtered out, by one filter entry shared
+    by every watch (counted: nested watches and threads), removed when the last one ends. The user's own
+    filters, before and during the watch, are left as they are."""
+
+    MESSAGE = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                warnings.filterwarnings("ignore", message=self.MESSAGE, category=UserWarning)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                ours = next((f for f in warnings.filters if f[0] == "ignore" and f[2] is UserWarning and
+                             f[1] is not None and f[1].pattern == self.MESSAGE and f[3] is None and not f[4]), None)
+                if ours is not None:
+                    warnings.filters.remove(ours)
+                    warnings._filters_mutated()  # type: ignore[attr-defined]  (its cache of seen warnings)
+
+
+global_hook_warning = _HookWarningFilter()
 
 
 def is_compiled_module(module: Any) -> bool:

@@ -83,8 +83,10 @@ class CompiledCode:
             _EAGER.acquire()
             self._stance = True
             try:
+                compat.global_hook_warning.acquire()  # (released with the hook, in __exit__)
                 self._handle = register_module_forward_pre_hook(self._on_module)
             except BaseException:
+                compat.global_hook_warning.release()
                 self._stance = None
                 _EAGER.release()
                 raise
@@ -94,6 +96,7 @@ class CompiledCode:
         try:
             if self._handle is not None:
                 self._handle.remove()
+                compat.global_hook_warning.release()
         finally:
             self._handle = None
             if self._stance is not None:

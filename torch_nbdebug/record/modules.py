@@ -167,6 +167,7 @@ class ModuleTracker:
         self._on_enter = on_enter
         self._on_exit = on_exit
         self._handles: list[Any] = []
+        self._warned = False  # holds compat.global_hook_warning
 
     @property
     def current(self) -> Optional[str]:
@@ -174,6 +175,8 @@ class ModuleTracker:
         return self.stack[-1] if self.stack else None
 
     def __enter__(self) -> "ModuleTracker":
+        compat.global_hook_warning.acquire()  # torch's warning about our hooks and compiled modules
+        self._warned = True
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post, always_call=True),
@@ -189,6 +192,9 @@ class ModuleTracker:
         self._handles = []
         self.stack.clear()
         self.namer.clear()
+        if self._warned:
+            self._warned = False
+            compat.global_hook_warning.release()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         path = self.namer.name(module, self.current)
