@@ -221,3 +221,32 @@ def test_an_inf_cast_to_integers_and_selected_away_is_no_birth(replay: bool) -> 
     assert report.first is None, report.text()
     if not replay:  # the always-on watch saw the log(0): listed as absorbed, not as a birth
         assert [(e.op, e.lineno) for e in report.absorbed] == [("aten.log.default", line("@inside-bucket"))]
+
+
+class Generating(nn.Module):
+    """A decoder step as ``generate`` runs it: under no_grad (outputs freed as the forward goes), with a cache
+    object the call may update (so it is never replayed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(8, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        return self.head(self.proj(self.act(self.fc(x))))
+
+
+def test_a_freed_output_without_replay_is_one_module_level_birth_of_the_right_kind_with_a_note() -> None:
+    torch.manual_seed(0)
+    model = Generating()
+    with torch.no_grad():
+        model.fc.weight.fill_(3e38)  # fc's output is +Inf (finite inputs), the modules after it carry it
+    with torch.no_grad(), nanwatch(namespace={"model": model}) as report:
+        model(torch.ones(2, 4), Cache())
+    births = [(e.op, e.module, e.kind) for e in report.events if e.module in ("model.fc", "model.act")]
+    assert births == [("Linear (module output)", "model.fc", "inf")], report.text()
+    assert not any(e.module == "model.act" for e in report.events)
+    assert any("model.fc: its output was freed before the check" in n for n in report.notes), report.notes
+    assert "--no-replay" in report.first.hint

@@ -77,8 +77,9 @@ def _forward_hint(name: str, event: NanEvent) -> str:
     ins = event.inputs
     half = _half(event)
     if event.module and event.op.endswith("(module output)"):
-        return (f"The output of {event.module} went non-finite while its inputs were finite. "
-                "Run with the op-level mode (the default) to name the exact op.")
+        return (f"The output of {event.module} went non-finite while its inputs were finite. Module mode, or a "
+                "call that could not be replayed (see the notes), names the module but not the op: run the "
+                "cell with --no-replay (nanwatch(replay=False): every op watched) to name it.")
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
         if _has(ins, "neg") or event.kind == "nan":  # log(0) is -inf; only a negative input gives NaN
             return "log of a negative number gives NaN: make sure the input is positive (e.g. softplus, abs, clamp)."

@@ -430,16 +430,22 @@ class ModuleChecks:
         log, path = self.ctx.log, entry.paths[0]
         inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
         params_bad = not inner and bool(bad_parameters(entry.module))
-        verdict = judge_module(True, False, params_bad, log.has_events(), inner)
+        # Its inputs were freed with it: after a birth they are taken as carrying it (the modules after a
+        # non-finite one in generation are not births of their own).
+        verdict = judge_module(True, log.has_events(), params_bad, log.has_events(), inner)
         if verdict == "propagation":
             return
-        kind: Kind = "nan" if any(math.isnan(v) for v in entry.values) else "inf"
+        # min and max say NaN (aminmax propagates it); a mean of +Inf and -Inf is NaN without one
+        kind: Kind = "nan" if math.isnan(entry.values[0]) or math.isnan(entry.values[1]) else "inf"
         if self.ctx.options.ignore_inf and kind == "inf":
             return
         shape, dtype, device, numel = entry.meta
         out = TensorStats(tuple(shape), str(dtype).replace("torch.", ""), str(device), numel,
                           note="freed before the check: statistics not kept")
         op = f"{type(entry.module).__name__} (module output)"
+        if self.replayer is not None:
+            self.replayer.note(f"{path}: its output was freed before the check (no_grad: generation or evaluation) "
+                               "and the model's call could not be replayed; reported at module level")
         log.add(module_event(self.ctx, entry.place or here(path, None), op, verdict, (), out, kind, entry.module,
                              False, entry.iteration))
 
