@@ -354,3 +354,26 @@ def test_a_leaked_loss_claims_the_targets_its_graph_saved() -> None:
     assert len(targets) == 3 and all(a.holder.endswith(".grad_fn") for a in targets)
     assert {a.category for a in targets} == {"activations"}
     assert {a.id for a in targets} <= set(tl.leaks[0].allocation_ids)
+
+
+class CheckpointedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_gradient_checkpointings_forward_run_again_in_backward_is_no_new_iteration(steps: int) -> None:
+    """The backward calls each checkpointed block again, as a top-level module call: one step is one
+    iteration, not one per block."""
+    net = CheckpointedBlocks()
+    ns = {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1), "steps": steps}
+    tl = run("for _ in range(steps):\n    net(torch.randn(4, 16)).sum().backward()\n    opt.step()\n", ns)
+    assert tl.iterations == steps

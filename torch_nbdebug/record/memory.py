@@ -371,7 +371,8 @@ class MemoryRecorder:
         self._frees.drain()
         if len(self._tracker.stack) == 1:
             self._modules[module] = None
-            if self._last_phase != FORWARD or not self._iterations:
+            # (a forward run again by the backward, gradient checkpointing's, is no new iteration)
+            if (self._last_phase != FORWARD or not self._iterations) and current_autograd_node() is None:
                 self._iterations.append(len(self._log) // 3)
         self._classify_tensors(module._parameters.values(), PARAM)
 
