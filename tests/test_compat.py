@@ -80,7 +80,8 @@ def test_compat_imports_torch_only() -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     # the package's one error class (torch_nbdebug.errors imports nothing) and the standard library
-    assert imported <= {"__future__", "re", "sys", "types", "typing", "warnings", "weakref", "torch", "torch_nbdebug"}
+    assert imported <= {"__future__", "re", "sys", "threading", "types", "typing", "warnings", "weakref", "torch",
+                        "torch_nbdebug"}
     assert {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
             and n.module and n.module.startswith("torch_nbdebug")} == {"torch_nbdebug.errors"}
 

@@ -360,3 +360,26 @@ def test_repro_runs_compiled_code_eagerly_twice_says_so_and_leaves_it_compiled(c
     report = nb.repro(lambda: model(torch.randn(3, 4)).sum(), state=model, restore_rng=True)
     assert_still_compiled(model)
     assert any("ran eagerly while repro ran it twice" in n for n in report.summary.notes), report.summary.notes
+
+
+def test_the_hook_warning_filter_leaves_a_users_identical_filter_and_survives_a_catch_warnings_block() -> None:
+    from torch_nbdebug.record import compat
+
+    message = compat.global_hook_warning.MESSAGE
+    ours = lambda: [f for f in warnings.filters if f[1] is not None and f[1].pattern == message]  # noqa: E731
+    saved = list(warnings.filters)
+    try:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)  # the user's own
+        with nb.nanwatch(namespace={}):
+            pass
+        assert len(ours()) == 1  # still theirs
+        warnings.filters[:] = saved
+        watch, block = nb.nanwatch(namespace={}), warnings.catch_warnings()
+        watch.__enter__()
+        block.__enter__()  # entered in the watch, left after it
+        watch.__exit__(None, None, None)
+        block.__exit__(None, None, None)
+        assert not ours() and compat.global_hook_warning._users == 0
+    finally:
+        warnings.filters[:] = saved
+        warnings._filters_mutated()  # type: ignore[attr-defined]

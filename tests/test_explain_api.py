@@ -278,3 +278,18 @@ def test_the_op_named_is_the_expression_that_raised_not_the_last_call_on_the_lin
         model(torch.randn(2, 16, 48))
     diagnosis = explain_exception(info.value, namespace={"model": model})
     assert diagnosis is not None and diagnosis.kind == "shape" and diagnosis.op == "aten::add", diagnosis
+
+
+class Wrapped(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ᾱ = (x.to("cpu") * 2
+             + y.reshape(3))
+        return ᾱ
+
+
+def test_the_op_named_reads_expressions_over_several_lines_and_after_non_ascii_names() -> None:
+    """Python's column positions count UTF-8 bytes, and a bracketed expression may span lines."""
+    with pytest.raises(RuntimeError) as info:
+        Wrapped()(torch.ones(2), torch.ones(3))
+    diagnosis = explain_exception(info.value, namespace={})
+    assert diagnosis is not None and diagnosis.op == "aten::add", diagnosis

@@ -250,3 +250,113 @@ def test_a_freed_output_without_replay_is_one_module_level_birth_of_the_right_ki
     assert not any(e.module == "model.act" for e in report.events)
     assert any("model.fc: its output was freed before the check" in n for n in report.notes), report.notes
     assert "--no-replay" in report.first.hint
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "always-on"])
+def test_a_birth_that_reached_the_loss_stays_a_birth_when_a_metric_casts_it_to_integers(replay: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with nanwatch(namespace={"model": model}, replay=replay) as report:
+        out = torch.log(model(torch.rand(3, 4)) - 10)  # @inside-metric
+        loss = out.pow(2).mean()
+        (out.round().long() == 0).sum()  # an accuracy-like metric, after the loss
+        loss.backward()
+    assert first(report)[:2] == ("forward", "aten.log.default") and not report.absorbed, report.text()
+    assert report.first.lineno == line("@inside-metric")
+
+
+# -- found by review: data coming in by keyword or through a view, in-place modules, two births --------
+class ByKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor = None, cache: Any = None) -> torch.Tensor:  # type: ignore[assignment]
+        return self.head(self.fc(x.reshape(-1, 8)))
+
+
+@pytest.mark.parametrize("options", [dict(replay=True), dict(mode="module"), dict(mode="module", defer=True)],
+                         ids=["replay", "module", "module-deferred"])
+@pytest.mark.parametrize("cache", [False, True], ids=["", "cache"])
+def test_bad_data_passed_by_keyword_and_reshaped_by_the_model_is_input_data(options: dict, cache: bool) -> None:
+    """Hugging Face calls models by keyword (``model(inputs_embeds=x, past_key_values=cache)``): the data
+    comes in, whatever view of it the model makes, and is reported where first used."""
+    torch.manual_seed(0)
+    net = ByKeyword()
+    x = torch.randn(2, 1, 8)
+    x[0, 0, 0] = float("nan")
+    with nanwatch(namespace={"net": net}, **options) as report:
+        net(x=x, cache=Cache() if cache else None).sum().backward()
+    e = report.first
+    assert e is not None and (e.phase, e.module) == ("input", "net.fc"), report.text()
+
+
+def test_an_in_place_module_later_in_the_forward_does_not_hide_where_the_nan_was_made() -> None:
+    """``ReLU(inplace=True)`` makes the kept outputs be checked before it runs, while the model still runs:
+    a submodule whose inputs its parent made waits for the parent's check."""
+
+    class WithInplace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = overflowing()
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.net.attn(x)).sum()
+
+    model = WithInplace()
+    with nanwatch(namespace={"model": model}, replay=True) as report:
+        model(torch.randn(2, 5, 8)).backward()
+    assert first(report) == ("forward", "aten.bmm.default", "model.net.attn", line("@inside-scores"))
+
+
+class TwoBirths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(4, 4)
+        self.a = Overflows()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.log(x - 10)  # @inside-first-birth
+        return self.c(h).sum() + self.a(x * 1e20).sum()
+
+
+class Overflows(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)  # @inside-second-birth
+
+
+def test_two_independent_births_in_one_forward_are_both_named_by_replay_as_by_the_always_on_watch() -> None:
+    torch.manual_seed(0)
+    x = torch.rand(3, 4) + 1
+    reports = []
+    for replay in (False, True):
+        model = TwoBirths()
+        with nanwatch(namespace={"model": model}, replay=replay) as report:
+            model(x).backward()
+        reports.append([(e.phase, e.op, e.module, e.lineno) for e in report.events if e.phase == "forward"])
+    assert reports[0] == reports[1] == [("forward", "aten.log.default", "model", line("@inside-first-birth")),
+                                        ("forward", "aten.exp.default", "model.a", line("@inside-second-birth"))]
+
+
+def test_a_finite_parameter_cat_with_bad_data_is_not_blamed() -> None:
+    """A ViT's class token is concatenated with the patch embeddings: NaN in the data, not in the token."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, 4))
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1))
+
+    model = Tokens()
+    x = torch.randn(2, 3, 4)
+    x[0, 1, 1] = float("nan")
+    for replay in (False, True):
+        with nanwatch(namespace={"model": model}, replay=replay) as report:
+            model(x).sum().backward()
+        e = report.first
+        assert e is not None and e.phase == "input" and e.param is None and e.cause == "input_data", report.text()

@@ -323,22 +323,31 @@ class _HookWarningFilter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
+        self._entry: Any = None  # the filter entry we added, and the filter list it was added to
+        self._where: list = []
 
     def acquire(self) -> None:
         with self._lock:
+            if self._users == 0:
+                if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == self.MESSAGE
+                           for f in warnings.filters):  # (the user's own, same filter: left where it is)
+                    warnings.filterwarnings("ignore", message=self.MESSAGE, category=UserWarning)
+                    self._entry, self._where = warnings.filters[0], warnings.filters
             self._users += 1
-            if self._users == 1:
-                warnings.filterwarnings("ignore", message=self.MESSAGE, category=UserWarning)
 
     def release(self) -> None:
         with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                ours = next((f for f in warnings.filters if f[0] == "ignore" and f[2] is UserWarning and
-                             f[1] is not None and f[1].pattern == self.MESSAGE and f[3] is None and not f[4]), None)
-                if ours is not None:
-                    warnings.filters.remove(ours)
-                    warnings._filters_mutated()  # type: ignore[attr-defined]  (its cache of seen warnings)
+            self._users = max(0, self._users - 1)
+            if self._users or self._entry is None:
+                return
+            entry, self._entry = self._entry, None
+            # From the list it went into, and from the current one (a catch_warnings block entered in the
+            # watch swaps the list, and puts the one we added to back when it ends).
+            for filters in (self._where, warnings.filters):
+                if any(f is entry for f in filters):
+                    filters.remove(entry)
+            self._where = []
+            warnings._filters_mutated()  # type: ignore[attr-defined]  (its cache of seen warnings)
 
 
 global_hook_warning = _HookWarningFilter()

@@ -84,6 +84,11 @@ class CompiledCode:
             self._stance = True
             try:
                 compat.global_hook_warning.acquire()  # (released with the hook, in __exit__)
+            except BaseException:
+                self._stance = None
+                _EAGER.release()
+                raise
+            try:
                 self._handle = register_module_forward_pre_hook(self._on_module)
             except BaseException:
                 compat.global_hook_warning.release()

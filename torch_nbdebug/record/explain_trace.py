@@ -182,13 +182,14 @@ def _raising_call(lasti: int, frame: types.FrameType) -> str:
     start, end, col, end_col = positions
     if None in positions:
         return ""
-    lines = [linecache.getline(frame.f_code.co_filename, n).rstrip("\n") for n in range(start, end + 1)]
+    lines = [linecache.getline(frame.f_code.co_filename, n).rstrip("\n").encode() for n in range(start, end + 1)]
     if not lines or not lines[-1]:
         return ""
-    segment = "\n".join(lines)[col:len("\n".join(lines)) - len(lines[-1]) + end_col] if len(lines) > 1 \
-        else lines[0][col:end_col]
+    # (columns count UTF-8 bytes; brackets let an expression run over several lines)
+    lines[0], lines[-1] = (lines[0][col:end_col], lines[0][col:end_col]) if len(lines) == 1 else \
+        (lines[0][col:], lines[-1][:end_col])
     try:
-        node = ast.parse(segment.strip(), mode="eval").body
+        node = ast.parse("(" + b"\n".join(lines).decode(errors="replace") + "\n)", mode="eval").body
     except SyntaxError:
         return ""
     if isinstance(node, ast.BinOp):

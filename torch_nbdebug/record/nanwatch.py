@@ -531,7 +531,7 @@ class _ThreadTracker(ModuleTracker):
                 outer(True)
             checks.started(args)
         elif not stack:
-            checks.model_started(args)
+            checks.model_started()
         path = self.namer.name(module, stack[-1] if stack else None)
         stack.append(path)
         if self._on_enter is not None:

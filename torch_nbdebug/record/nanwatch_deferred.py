@@ -27,7 +27,7 @@ from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, V
 from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
 from torch_nbdebug.record.nanwatch_layers import Later
-from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
+from torch_nbdebug.record.nanwatch_modules import as_when_left, bad_parameters, module_event
 from torch_nbdebug.record.tensors import storage_key
 
 _MAX_QUEUE = 4096  # read earlier when this many checks wait
@@ -62,6 +62,8 @@ class DeferredChecks:
         # so their flags are reused rather than summed again (a weight gradient is a full pass).
         self._node_outs: set[int] = set()
         self._bad_keys: dict[int, bool] = {}  # replay: the latest flag of each storage the node wrote
+        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
+        self.left_at: dict[str, int] = {}
 
     # -- queueing (no device read) -----------------------------------------------------------------
     def queue_op(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor], phase: OpPhase, node: Any,
@@ -148,6 +150,7 @@ class DeferredChecks:
 
     def replay(self, pending: list[Pending], readings: list[list[float]]) -> None:
         """Replay the entries :meth:`take` handed over, in order, with the values read for them."""
+        self.left_at.clear()  # (a forward's modules are queued and read together)
         values = iter(readings)
         for p in pending:
             sums = next(values) if p.flags is not None else []
@@ -199,10 +202,10 @@ class DeferredChecks:
         self._report(p, verdict, bad, nan, neg)
 
     def _module_verdict(self, p: Pending, in_bad: list[bool]) -> Verdict:
-        path = p.site.place.module or ""
-        inner = any(e.module and e.module.startswith(path + ".") for e in self.ctx.log.events)
-        had_events = self.ctx.log.has_events()
+        path, log = p.site.place.module or "", self.ctx.log
+        inner, had_events = as_when_left(log, path, 0, self.left_at)
         if any(in_bad) and not inner and not had_events and not any(b and c for b, c in zip(in_bad, p.external)):
+            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
             return "propagation"  # an enclosing module's own code made them: judged as that module returns
         params = bad_parameters(p.extra) if not inner else []
         return judge_module(True, any(in_bad), bool(params), had_events, inner)

@@ -51,7 +51,8 @@ class ImmediateChecks:
         verdict = judge(facts)
         if verdict == "propagation":
             if phase == "forward":
-                log.propagated(keys, [storage_key(t) for t in bad])
+                # (``seq``: the op made an autograd node, so its outputs require grad: see EventLog.cast_away)
+                log.propagated(keys, [storage_key(t) for t in bad], seq is not None)
             return
         site = op_site(self.ctx, func, phase, node, seq, sys._getframe(1))
         shown, detail = shown_inputs(verdict, in_bad, inplace)
@@ -66,7 +67,7 @@ class ImmediateChecks:
         if phase == "backward" and verdict == "birth":
             self.hold(node, event)
         else:
-            log.add(event, [storage_key(t) for t in bad])
+            log.add(event, [storage_key(t) for t in bad], seq is not None)
 
     def hold(self, node: Any, event: Any) -> None:
         """A backward birth counts only once a non-finite gradient leaves its node (a post hook decides)."""

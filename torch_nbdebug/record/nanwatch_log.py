@@ -29,6 +29,7 @@ class EventLog:
         self._birth_seqs: dict[int, int] = {}  # autograd sequence nr of a forward birth -> event index
         self._held: dict[int, list[NanEvent]] = {}  # backward births waiting for their node to finish
         self._carried: dict[int, int] = {}  # storage key of an op output carrying a forward birth on -> its index
+        self._differentiable: set[int] = set()  # forward births whose values reached a tensor requiring grad
 
     # -- questions ------------------------------------------------------------------------------
     def has_events(self) -> bool:
@@ -61,8 +62,9 @@ class EventLog:
         return bool(self.absorbed) and key is not None and self._birth_keys.get(key) in self.absorbed
 
     # -- adding ---------------------------------------------------------------------------------
-    def add(self, event: NanEvent, out_keys: Iterable[Optional[int]] = ()) -> None:
-        """Keep a birth (raising if asked); forward births remember their outputs' storage keys."""
+    def add(self, event: NanEvent, out_keys: Iterable[Optional[int]] = (), differentiable: bool = False) -> None:
+        """Keep a birth (raising if asked); forward births remember their outputs' storage keys.
+        ``differentiable``: its outputs require grad (see :meth:`cast_away`)."""
         if event.phase == "backward" and event.sequence_nr is not None:
             fwd = self._birth_seqs.get(event.sequence_nr)
             if fwd is not None and fwd not in self.absorbed:
@@ -73,6 +75,8 @@ class EventLog:
         self.events.append(event)
         index = len(self.events) - 1
         if event.phase == "forward":
+            if differentiable:
+                self._differentiable.add(index)
             if event.sequence_nr is not None:
                 self._birth_seqs[event.sequence_nr] = index
             for key in out_keys:
@@ -82,7 +86,12 @@ class EventLog:
             raise NanBirthError(birth_message(event), event=event)
 
     def add_absorbed(self, event: NanEvent) -> None:
-        """A forward birth that a replay saw thrown away (the where trap), listed as absorbed."""
+        """A forward birth that a replay saw thrown away (the where trap), listed as absorbed (once: the
+        replay of an enclosing call may see it again)."""
+        same = (event.op, event.filename, event.lineno, event.iteration, event.sequence_nr)
+        if any((e.op, e.filename, e.lineno, e.iteration, e.sequence_nr) == same for i, e in enumerate(self.events)
+               if i in self.absorbed):
+            return
         if self.full():
             self.dropped += 1
             return
@@ -112,15 +121,18 @@ class EventLog:
             if gone and key is not None and key in self._birth_keys:
                 self.absorbed.add(self._birth_keys[key])
 
-    def propagated(self, keys: Iterable[Optional[int]], out_keys: Iterable[Optional[int]] = ()) -> None:
+    def propagated(self, keys: Iterable[Optional[int]], out_keys: Iterable[Optional[int]] = (),
+                   differentiable: bool = False) -> None:
         """A non-finite value flowed on: the forward birth it came from was not absorbed after all. Its
-        outputs (``out_keys``) carry that birth on (:meth:`cast_away`)."""
+        outputs (``out_keys``; ``differentiable``: they require grad) carry that birth on (:meth:`cast_away`)."""
         came = None
         for key in keys:
             index = self._birth_keys.get(key, self._carried.get(key)) if key is not None else None
             if index is not None:
                 self.absorbed.discard(index)
                 came = index
+                if differentiable:
+                    self._differentiable.add(index)
         if came is not None and len(self._carried) < _MAX_CARRIED:
             for key in out_keys:
                 if key is not None:
@@ -129,9 +141,11 @@ class EventLog:
     def cast_away(self, key: Optional[int]) -> None:
         """A tensor carrying a forward birth's NaN/Inf was cast to integers or booleans (T5's relative
         position bucket: ``log(0)`` cast to ``long``, then selected away): its values are gone, as in the
-        where trap. The birth is absorbed unless its values flow on elsewhere."""
+        where trap. Only a birth whose values never entered the autograd graph (none of the tensors carrying
+        it required grad) is absorbed so: one that did may have reached the loss as well (a metric cast to
+        ``long`` after the loss), and stays a birth."""
         index = self._birth_keys.get(key, self._carried.get(key)) if key is not None else None
-        if index is not None:
+        if index is not None and index not in self._differentiable:
             self.absorbed.add(index)
 
     # -- backward births wait for their node ----------------------------------------------------
@@ -185,6 +199,7 @@ class EventLog:
     def clear_keys(self) -> None:
         self._birth_keys.clear()
         self._carried.clear()
+        self._differentiable.clear()
 
 
 _MAX_CARRIED = 4096  # outputs remembered as carrying a birth on (a training loop after a birth: bounded)

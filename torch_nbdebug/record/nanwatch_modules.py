@@ -78,8 +78,10 @@ class ModuleChecks:
         self._starts: list[Start] = []  # replay: RNG state and argument versions of each running call, by depth
         self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
-        self._model_inputs: set[int] = set()  # module mode: ids of the outermost call's tensor arguments
+        self._model_seq = 0  # module mode: the outermost call's first autograd node number
         self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
+        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
+        self.left_at: dict[str, int] = {}
         # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
@@ -100,19 +102,19 @@ class ModuleChecks:
             with self.ctx.quiet():  # it may overwrite a kept output: read what was kept first
                 self.ctx.flush()
 
-    def model_started(self, args: Any) -> None:
-        """Module mode: the outermost call's tensor arguments (see :meth:`_coming_in`)."""
+    def model_started(self) -> None:
+        """Module mode: an outermost call starts (see :meth:`_coming_in`)."""
         if not self.replaying:
-            self._model_inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+            self._model_seq = compat.next_sequence_nr()
 
     def _coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
         """Module mode: which of a call's inputs count as data coming in. A top-level call's do; a nested
-        call's only when they are the model's own arguments: else an enclosing module's code between its
-        submodules made them (no op is watched there), and that module is judged when it returns."""
+        call's unless the model's call made them (:func:`_made_since`): an enclosing module's code between
+        its submodules (no op is watched there), and that module is judged when it returns."""
         if self._depth() <= 1:
             return tuple(True for _ in inputs)
-        model_inputs = self._model_inputs
-        return tuple(id(x) in model_inputs for x in inputs)
+        seq = self._model_seq
+        return tuple(not _made_since(x, seq) for x in inputs)
 
     def use_replay(self, replayer: Replayer) -> None:
         self.kept, self.replayer = KeptReadings(), replayer
@@ -197,6 +199,7 @@ class ModuleChecks:
 
     def forget(self) -> None:
         self._last_exit = None
+        self.left_at.clear()
         self._outer_call = None
         self._awaiting = None
         self._starts.clear()
@@ -222,7 +225,14 @@ class ModuleChecks:
         freed: list[Kept] = []
         inside: list[Kept] = []
         waiting: list[Kept] = []  # enclosing calls of ``inside`` that could not be replayed
-        outer_inputs = {id(x) for x in (outer.live_inputs() or ())} if outer is not None else set()
+        later: list[Kept] = []  # an early check (the model still runs): ``inside`` ones wait for its end
+        # The model call's first autograd node: a tensor made from there on was made inside the call.
+        model_seq = outer.call.seq if outer is not None and outer.call is not None else \
+            self._starts[0][2] if self._starts else None
+        # The storages of the model call's tensor arguments: data coming in (an early check knows none yet).
+        arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
+            else None
+        strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
         for entry in self.kept.take():
             for path in entry.paths if entry.table else ():
                 self.layers.take_forward(path, entry.values)
@@ -231,15 +241,22 @@ class ModuleChecks:
                                                   and _isfinite(values[2])):
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
-                elif outer is not None and self._made_inside(entry, outer_inputs):
-                    inside.append(entry)  # an enclosing call's own code made its inputs: that call is replayed
+                elif model_seq is not None and (how := self._made_inside(entry, model_seq, arg_keys)):
+                    # an enclosing call's own code made its inputs: that call is replayed
+                    (inside if outer is not None else later).append(entry)
+                    if how == 2:
+                        strong.add(id(entry))
                 elif inside and _encloses(entry, inside):  # at module level only once the model's replay failed
                     if not self.replayer.birth(entry, first, fallback=False) and len(self.ctx.log.events) == first:
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
-        if inside:
-            self._inside_births(inside, waiting, outer, first)
+        if later:
+            for entry in later:
+                entry.parts = ()  # (read already)
+            self.kept.entries[:0] = later
+        if inside and outer is not None:
+            self._inside_births(inside, waiting, outer, first, strong)
         events = self.ctx.log.events
         if freed and outer is not None and self.replayer is not None and not any(
                 e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
@@ -251,22 +268,34 @@ class ModuleChecks:
             if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
                 self.module_fallback(entry, first)
 
-    def _made_inside(self, entry: Kept, outer_inputs: set[int]) -> bool:
-        """A nested call's non-finite output whose non-finite inputs are neither the model's arguments nor
-        weights, before any birth: code of an enclosing module between its submodules made them (the
-        unwatched part of a forward). Replaying this call would only see them come in ("input data")."""
+    def _made_inside(self, entry: Kept, model_seq: int, arg_keys: Optional[set[Optional[int]]]) -> int:
+        """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,
+        between its submodules (the unwatched part of a forward), before any birth: replaying this call
+        would only see them come in ("input data"). 2: autograd made them all inside the model's call (nodes
+        numbered from the call's first on: :func:`_made_since`); 1: the others were made without autograd and
+        share no storage with the model's arguments (``arg_keys``; None: not known yet, an early check), so an
+        enclosing call's replay can tell (never enough for a module-level answer); 0: data coming in (an
+        argument, by keyword or not, or a view of one)."""
         if self.ctx.log.has_events():
-            return False  # an earlier birth flowing through: the replayer judges it
+            return 0  # an earlier birth flowing through: the replayer judges it
         inputs = entry.live_inputs() or ()
         bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not _finite_tensor(x)]
-        return bool(bad) and not any(id(x) in outer_inputs for x in bad)
+        if not bad:
+            return 0
+        made = [_made_since(x, model_seq) for x in bad]
+        if all(made):
+            return 2
+        return int(all(m or (x.grad_fn is None and (arg_keys is None or storage_key(x) not in arg_keys))
+                       for m, x in zip(made, bad)))
 
-    def _inside_births(self, inside: list[Kept], waiting: list[Kept], outer: Kept, first: int) -> None:
+    def _inside_births(self, inside: list[Kept], waiting: list[Kept], outer: Kept, first: int,
+                       strong: set[int]) -> None:
         """Outputs of calls whose inputs an enclosing module's own code made non-finite (``_made_inside``).
         An enclosing call kept as non-finite has been replayed by now, innermost first; if none named the
         op (the enclosing output came out finite, or its call could not be replayed: ``waiting``), the
         model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
-        module level, and without them each call is replayed as before (its inputs reported)."""
+        module level; without them, the module that called one whose inputs autograd saw made inside
+        (``strong``); else each call is replayed as before (its inputs reported)."""
         assert self.replayer is not None
         if len(self.ctx.log.events) > first:
             return  # an enclosing call's replay named the op: these outputs carry its values
@@ -277,7 +306,7 @@ class ModuleChecks:
             if len(self.ctx.log.events) > first:
                 return
         for entry in inside:
-            if self._enclosing_birth(entry, outer, first):
+            if id(entry) in strong and self._enclosing_birth(entry, outer, first):
                 return
         for entry in inside:
             self.replayer.birth(entry, first)
@@ -455,15 +484,16 @@ class ModuleChecks:
         """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
         the output is left to the enclosing module (inputs an enclosing module's own code made)."""
         log = self.ctx.log
-        inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
+        inner, had_events = as_when_left(log, path, first, self.left_at)
         inputs = ops.float_inputs(args, {})
         bad = [not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
         in_bad = any(bad)
-        if in_bad and coming_in is not None and not inner and not log.has_events() and \
+        if in_bad and coming_in is not None and not inner and not had_events and \
                 not any(b and c for b, c in zip(bad, coming_in(inputs))):
+            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
             return True  # an enclosing module's own code made them: judged as that module returns
         params_bad = not inner and not in_bad and bool(bad_parameters(module))
-        verdict = judge_module(True, in_bad, params_bad, log.has_events(), inner)
+        verdict = judge_module(True, in_bad, params_bad, had_events, inner)
         if verdict == "propagation":
             return False
         out = stats_of([t], 1)[0]
@@ -550,6 +580,24 @@ _NOTHING = contextlib.nullcontext()
 # waits on it and is read with the others when the model returns. Tests switch this off to run the
 # device's path on a CPU.
 READ_AT_EXIT = True
+
+
+def _made_since(t: torch.Tensor, seq: int) -> bool:
+    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
+    autograd, was not)."""
+    fn = t.grad_fn
+    return fn is not None and compat.node_sequence_nr(fn) >= seq
+
+
+def as_when_left(log: Any, path: str, first: int, left_at: dict[str, int]) -> tuple[bool, bool]:
+    """Module mode: (a submodule already reported, any event before) for the module at ``path``: as they
+    were when a submodule left it its non-finite inputs, if one did (a later, independent birth in a
+    sibling must not make this module's own one a propagation), else as they are now."""
+    cut = left_at.pop(path, None)
+    events = log.events[first:cut] if cut is not None else log.events[first:]
+    inner = any(e.module and e.module.startswith(path + ".") for e in events)
+    had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
+    return inner, had_events
 
 
 def _encloses(entry: Kept, inside: list[Kept]) -> bool:

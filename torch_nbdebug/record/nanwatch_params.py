@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
+import torch
+
 from torch_nbdebug.data.nanwatch import Cause, ParamKind
 from torch_nbdebug.record.modules import compiled_original, module_roots
 from torch_nbdebug.record.tensors import storage_key
@@ -67,9 +69,9 @@ _MAX_WALK = 64
 
 
 def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
-    """Storage keys of the leaf tensors (parameters) that ``tensors`` were copied or selected from by ops
-    no check watches (``embedding``, ``index_select``, views, ``cat``): the autograd graph walked back
-    through such ops only. Asked only for an input event (rare)."""
+    """Storage keys of the non-finite leaf tensors (parameters) that ``tensors`` were copied or selected
+    from by ops no check watches (``embedding``, ``index_select``, views, ``cat``): the autograd graph
+    walked back through such ops only. Asked only for an input event (rare)."""
     stack = [t.grad_fn for t in tensors if getattr(t, "grad_fn", None) is not None]
     keys: list[Optional[int]] = []
     seen: set[int] = set()
@@ -80,7 +82,8 @@ def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
         seen.add(id(node))
         variable = getattr(node, "variable", None)
         if variable is not None:
-            keys.append(storage_key(variable))
+            if variable.is_floating_point() and not bool(torch.isfinite(variable.detach()).all()):
+                keys.append(storage_key(variable))  # (a finite leaf cat with the bad input carried nothing)
         elif node.name() in _COPIES:
             stack += [f for f, _ in node.next_functions]
     return keys
