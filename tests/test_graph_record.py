@@ -385,3 +385,16 @@ def test_record_graph_in_a_function_keeps_no_local_alive() -> None:
     gc.collect()
     assert batch_ref() is None, "the recording kept the function's batch alive"
     assert rec is not None
+
+
+def test_op_names_with_a_dimension_read_as_torch_spells_them() -> None:
+    """``MaxPool2DWithIndicesBackward0`` is ``max_pool2d_with_indices`` (was ``max_pool2_dwith_indices``)."""
+    from torch_nbdebug.record.graph import op_label
+
+    x = torch.randn(1, 2, 8, 8, requires_grad=True)
+    found = {fn.name(): op_label(fn) for fn in (F.max_pool2d(x, 2).grad_fn, F.avg_pool2d(x, 2).grad_fn,
+                                                 F.adaptive_avg_pool2d(x, 3).grad_fn,
+                                                 F.interpolate(x, scale_factor=2, mode="bilinear").grad_fn)}
+    assert found == {"MaxPool2DWithIndicesBackward0": "max_pool2d_with_indices", "AvgPool2DBackward0": "avg_pool2d",
+                     "AdaptiveAvgPool2DBackward0": "adaptive_avg_pool2d",
+                     "UpsampleBilinear2DBackward0": "upsample_bilinear2d"}

@@ -377,3 +377,18 @@ def test_gradient_checkpointings_forward_run_again_in_backward_is_no_new_iterati
     ns = {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1), "steps": steps}
     tl = run("for _ in range(steps):\n    net(torch.randn(4, 16)).sum().backward()\n    opt.step()\n", ns)
     assert tl.iterations == steps
+
+
+def test_a_tensor_made_from_python_data_in_the_block_is_an_allocation_of_its_line() -> None:
+    """``torch.tensor([...])`` builds the tensor outside the dispatcher and hands it to ``lift_fresh``: it
+    was counted as alive at the start, without a line. Adam's ``step`` counters are made the same way."""
+    ns: dict[str, Any] = {}
+    tl = run("a = torch.tensor([1.0] * 2500)\n", ns)
+    made = [a for a in tl.allocations if a.nbytes == 10000]
+    assert len(made) == 1 and made[0].start >= 0 and made[0].line is not None and made[0].line.lineno == 1
+    assert tl.start_bytes == 0 or tl.start_bytes < 10000
+    net = nn.Linear(4, 4)
+    ns = {"net": net, "opt": torch.optim.Adam(net.parameters())}
+    tl = run("net(torch.randn(2, 4)).sum().backward()\nopt.step()\n", ns)
+    steps = [a for a in tl.allocations if a.category == "optimizer_state" and a.nbytes == 4]
+    assert len(steps) == 2 and all(a.start >= 0 for a in steps)  # one step counter per parameter, made in it

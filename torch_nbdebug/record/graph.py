@@ -25,6 +25,7 @@ COMPILED_NODE = "CompiledFunctionBackward"  # the backward of a torch.compile'd 
 
 _SAVED_ATTRS: dict[type, list[str]] = {}  # per node class: its ``_saved_*`` attributes (``dir`` is slow)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_DIMS = re.compile(r"(\d)D(?=[A-Z]|$)")  # MaxPool2DWithIndices -> MaxPool2dWithIndices (max_pool2d_with_indices)
 
 
 _LABELS: dict[type, str] = {}
@@ -45,7 +46,7 @@ def _make_label(node: Any) -> str:
     base = re.sub(r"Backward\d*$", "", name) or name
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         return base
-    return _CAMEL.sub("_", base).lower()
+    return _CAMEL.sub("_", _DIMS.sub(r"\1d", base)).lower()
 
 
 _NAMES: dict[type, str] = {}

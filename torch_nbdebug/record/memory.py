@@ -250,8 +250,9 @@ class MemoryRecorder:
             if alloc_id is None:
                 if input_keys is None:
                     input_keys = self._input_keys(func, args, kwargs)
-                if key in input_keys:
+                if key in input_keys and not func.__name__.startswith("lift_fresh"):
                     # An in-place op or a view of a tensor we never saw: it existed before recording.
+                    # (``lift_fresh``: ``torch.tensor([...])`` made it from Python data just now.)
                     alloc_id = self._track(tensor, key, OTHER, IDLE, "", -1, None, None, storage)
                 else:
                     if phase < 0:
