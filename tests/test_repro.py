@@ -358,3 +358,20 @@ def test_grad_scaler_made_lazily_in_the_cell_runs_once() -> None:
     report = repro(cell, state={"model": model, "opt": opt, "scaler": scaler})
     assert report.identical and scaler.get_scale() == 2.0**5  # grew once, not twice
     assert opt.state[next(model.parameters())]["step"].item() == 1.0
+
+
+def test_batch_norm_in_training_is_identical_and_its_running_statistics_move_once() -> None:
+    """``native_batch_norm`` updates the running statistics in place without its schema saying so: they were
+    not saved before the first run, the runs "differed", and the statistics moved twice."""
+    import copy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16))
+    x = torch.randn(4, 8)
+    once = copy.deepcopy(net)
+    once(x)
+    report = repro(lambda: net(x).sum(), state=(net,))
+    assert report.identical, report.text()
+    assert torch.equal(net[1].running_mean, once[1].running_mean)
+    assert torch.equal(net[1].running_var, once[1].running_var)
+    assert net[1].num_batches_tracked.item() == 1

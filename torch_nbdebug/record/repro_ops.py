@@ -15,6 +15,10 @@ from torch_nbdebug.record.compat import is_fake, op_arguments, op_returns
 _EMPTY = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                     "empty_permuted"})
 # In-place ops that overwrite all of ``self`` without reading it.
+# Ops whose schema does not say what they write: batch norm updates its running statistics in place in
+# training (``native_batch_norm(..., Tensor? running_mean, Tensor? running_var, bool training, ...)``).
+_RUNNING = frozenset({"running_mean", "running_var"})
+_UNANNOTATED_WRITES = {"native_batch_norm": _RUNNING, "cudnn_batch_norm": _RUNNING, "miopen_batch_norm": _RUNNING}
 _OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "bernoulli_",
                         "exponential_", "geometric_", "cauchy_", "log_normal_"})
 # Random ops without the ``nondeterministic_seeded`` tag on some versions.
@@ -70,7 +74,8 @@ def _read_info(func: Any) -> OpInfo:
     name = str(func)
     base = name.split(".")[1] if name.startswith("aten.") else name.rsplit(".", 1)[0]
     args = op_arguments(func)
-    writes = frozenset(a.name for a in args if a.alias_info is not None and a.alias_info.is_write)
+    writes = frozenset(a.name for a in args if a.alias_info is not None and a.alias_info.is_write) | \
+        _UNANNOTATED_WRITES.get(base, frozenset())
     overwrites = frozenset(a.name for a in args if a.name in writes and (a.kwarg_only or base in _OVERWRITE))
     returns = op_returns(func)
     is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
