@@ -161,6 +161,16 @@ def test_graph_reuse_of_a_hidden_state_carried_across_iterations(ip: Any) -> Non
     assert "`hidden = hidden.detach()`" in d.hint
 
 
+def test_backward_twice_on_the_same_loss_says_to_compute_it_again_not_to_detach(ip: Any) -> None:
+    """Nothing was carried over: detaching ``loss`` (the carried-over advice) would only trade the error for
+    another one."""
+    d, _ = explain_cell(ip, "w = torch.randn(3, requires_grad=True)\nloss = torch.sigmoid(w).sum()\n"
+                            "loss.backward()\nloss.backward()\n")
+    assert (d.kind, d.lineno, d.culprit_lineno) == ("graph_reuse", 4, 2)
+    assert "a second time through the same graph" in d.summary and "compute the loss again" in d.hint
+    assert "detach" not in d.hint
+
+
 @pytest.mark.parametrize("body,how,line", [
     ("with torch.no_grad():\n    out = net(x)\nloss = out.sum()\nloss.backward()\n", "under no_grad", 2),
     ("out = net(x).detach()\nloss = out.sum()\nloss.backward()\n", "detach", 1),

@@ -100,6 +100,7 @@ class FailureFacts:
     index_size: Optional[int] = None
     backward_of: str = ""  # the expression ``.backward()`` was called on
     freed_nodes: tuple[tuple[str, int], ...] = ()  # old-graph nodes (name, sequence number) reached
+    freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
 

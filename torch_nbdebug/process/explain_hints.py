@@ -260,12 +260,23 @@ def graph_reuse(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording
     root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
     fix = ("Detach the tensor where it is carried over (e.g. `h = h.detach()` before the next iteration), or "
            "compute it inside the loop. `retain_graph=True` only hides this, and keeps every old graph alive.")
+    if facts.freed_root:  # ``loss.backward(); loss.backward()``: nothing was carried over
+        made = f" (made by `{site.op}` at {_where(site)})" if site is not None else ""
+        return {**(culprit_fields(site) if site is not None else {}),
+                "summary": f"backward() ran a second time through the same graph of {root}",
+                "hint": f"{root}{made} had its graph freed by the previous backward(). Call backward() once per "
+                        "forward pass: compute the loss again (run the forward again) before the next backward(), "
+                        "or pass `retain_graph=True` to the first backward() when two backward passes really must "
+                        "share one graph (two losses on one forward)."}
     if site is None:
         return {"summary": f"{root} reaches a graph that an earlier backward() already freed",
                 "suggest_record": True,
-                "hint": f"a tensor computed before the previous backward() (a hidden state, a running sum, "
-                        f"features computed once outside the loop) is used again, so {root}'s graph runs into "
-                        f"the old, freed one. {fix}"}
+                "hint": f"backward() ran through a graph the previous backward() freed. If it was called twice "
+                        f"on the same loss, compute the loss again before the next backward() (or pass "
+                        f"`retain_graph=True` to the first one when two backward passes must share a graph). "
+                        f"Otherwise a tensor computed before the previous backward() (a hidden state, a running "
+                        f"sum, features computed once outside the loop) is used again, so {root}'s graph runs "
+                        f"into the old, freed one. {fix}"}
     made = f"`{site.op}` at {_where(site)}"
     carried = assigned_name(site.line)
     held = f" (`{carried}`)" if carried else ""

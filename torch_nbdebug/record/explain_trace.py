@@ -362,6 +362,7 @@ def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, A
     if isinstance(root, torch.Tensor) and root.grad_fn is not None and old_graph_before is not None:
         old = old_graph_nodes(root.grad_fn, old_graph_before)
         facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n in old)[:16]
+        facts["freed_root"] = bool(old) and old[0] is root.grad_fn  # the same graph a second time
     return facts
 
 
