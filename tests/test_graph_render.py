@@ -159,6 +159,16 @@ def test_magic_cell_and_model_input(ip: Any) -> None:
     assert "m:net.head" in m.shown()
 
 
+@pytest.mark.parametrize("cell", ["loss = net(x).sum()", "y = net(x)\nloss = y.pow(2).mean()"])
+def test_magic_cell_that_only_assigns_graphs_its_last_assigned_tensor(ip: Any, cell: str) -> None:
+    """The model's output was a temporary (freed) or not the loss: the tensor the cell left in ``loss`` is
+    what the user means (was "nothing to graph", or the model's output without the loss)."""
+    ip.run_cell("net = Net(); x = torch.randn(2, 4)")
+    g = ip.run_cell_magic("graph", "-o", cell)
+    assert g.data.title == "graph of loss" and g.data.source == "recorded"
+    assert {n.label for n in g.data.ops()} >= {"addmm", "relu", "sum" if "sum" in cell else "mean"}
+
+
 def test_magic_cell_reraises_user_exception_and_cleans_up(ip: Any) -> None:
     ip.run_cell("net = Net()")
     with pytest.raises(ZeroDivisionError):

@@ -1,6 +1,7 @@
 """``%graph`` and ``%%graph``: IPython glue over :mod:`torch_nbdebug.api.graph`."""
 from __future__ import annotations
 
+import ast
 from typing import Any, Optional
 
 import torch
@@ -92,7 +93,9 @@ class GraphMagics(Magics):
         except BaseException:
             _show_partial(rec, args, expand)  # an error or Stop: show what ran, like the other magics
             raise
-        if _has_graph(value):
+        if not _has_graph(value):  # a cell that only assigns (``loss = net(x).sum()``): its last graph tensor
+            value = _last_assigned_graph(cell, self.shell.user_ns)
+        if value is not None:
             return rec.graph(value, saved=args.saved, expand=expand, max_nodes=args.max_nodes)
         return rec.graph(saved=args.saved, expand=expand, max_nodes=args.max_nodes)
 
@@ -112,6 +115,26 @@ def _show_partial(rec: Any, args: Any, expand: Any) -> None:
     except Exception:  # noqa: BLE001 - the user's exception is the one to see, not ours
         return
     display(partial)
+
+
+def _last_assigned_graph(cell: str, namespace: Any) -> Any:
+    """The tensor with a graph that the cell's last top-level assignment to a plain name left in the
+    namespace (``loss = net(x).sum()`` or ``out = net(x); loss = ce(out, y)``: ``loss``), else None."""
+    try:
+        statements = ast.parse(cell).body
+    except SyntaxError:  # (IPython syntax in the cell: its module outputs are graphed instead)
+        return None
+    names = [target.id for node in statements
+             for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
+             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and isinstance(target, ast.Name)]
+    for name in reversed(names):
+        try:
+            value = namespace.get(name)
+        except Exception:  # noqa: BLE001 - a strange namespace: no graph from it
+            return None
+        if _has_graph(value):
+            return value
+    return None
 
 
 def _has_graph(value: Any) -> bool:
