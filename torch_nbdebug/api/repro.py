@@ -199,7 +199,8 @@ def _common(run1: ReproRecorder, context: dict[str, Any], notes: list[str]) -> d
                      "and name bindings were restored")
     if not context["restore_rng"]:
         notes.append("random generators not restored (--no-restore-rng / restore_rng=False)")
-    notes.append("side effects outside torch (prints, files, appends to Python lists) happened twice")
+    notes.append("the cell ran twice: its side effects outside torch, if any (prints, files, appends to Python "
+                 "lists), happened twice")
     if context["skipped"]:
         notes.append(skipped_note(context["skipped"]))
     notes.extend(run1.errors)
