@@ -24,6 +24,7 @@ from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_even
 from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
 from torch_nbdebug.record.nanwatch_params import carriers
+from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
 from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
@@ -114,7 +115,7 @@ class ModuleChecks:
         if self._depth() <= 1:
             return tuple(True for _ in inputs)
         seq = self._model_seq
-        return tuple(not _made_since(x, seq) for x in inputs)
+        return tuple(not made_since(x, seq) for x in inputs)
 
     def use_replay(self, replayer: Replayer) -> None:
         self.kept, self.replayer = KeptReadings(), replayer
@@ -217,120 +218,15 @@ class ModuleChecks:
 
     def check_kept(self) -> None:
         """Replay: read every kept output (one transfer), in the order the modules exited: the table's
-        statistics, and a non-finite output goes to the replayer (innermost call first)."""
+        statistics, and a non-finite output goes to the replayer (innermost call first). See
+        :class:`~nanwatch_inside.KeptCheck`."""
         outer, self._outer_call = self._outer_call, None
-        if self.kept is None or not self.kept.entries:
+        if self.kept is None or not self.kept.entries or self.replayer is None:  # (both set by use_replay)
             return
-        first = len(self.ctx.log.events)  # events of earlier checks are other births, not this output's
-        freed: list[Kept] = []
-        inside: list[Kept] = []
-        waiting: list[Kept] = []  # enclosing calls of ``inside`` that could not be replayed
-        later: list[Kept] = []  # an early check (the model still runs): ``inside`` ones wait for its end
-        # The model call's first autograd node: a tensor made from there on was made inside the call.
+        # The model call's first autograd node (a tensor made from there on was made inside the call).
         model_seq = outer.call.seq if outer is not None and outer.call is not None else \
             self._starts[0][2] if self._starts else None
-        # The storages of the model call's tensor arguments: data coming in (an early check knows none yet).
-        arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
-            else None
-        strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
-        for entry in self.kept.take():
-            for path in entry.paths if entry.table else ():
-                self.layers.take_forward(path, entry.values)
-            values = entry.values
-            if self.replayer is not None and not (_isfinite(values[0]) and _isfinite(values[1])
-                                                  and _isfinite(values[2])):
-                if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
-                    freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
-                elif model_seq is not None and (how := self._made_inside(entry, model_seq, arg_keys)):
-                    # an enclosing call's own code made its inputs: that call is replayed
-                    (inside if outer is not None else later).append(entry)
-                    if how == 2:
-                        strong.add(id(entry))
-                elif inside and _encloses(entry, inside):  # at module level only once the model's replay failed
-                    if not self.replayer.birth(entry, first, fallback=False) and len(self.ctx.log.events) == first:
-                        waiting.append(entry)
-                else:
-                    self.replayer.birth(entry, first)
-        if later:
-            for entry in later:
-                entry.parts = ()  # (read already)
-            self.kept.entries[:0] = later
-        if inside and outer is not None:
-            self._inside_births(inside, waiting, outer, first, strong)
-        events = self.ctx.log.events
-        if freed and outer is not None and self.replayer is not None and not any(
-                e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
-                for e in events[first:]):
-            if self.replayer.birth(outer, first, fallback=False):  # the whole model's call names the ops
-                freed = []
-        for entry in freed:
-            path = entry.paths[0]
-            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
-                self.module_fallback(entry, first)
-
-    def _made_inside(self, entry: Kept, model_seq: int, arg_keys: Optional[set[Optional[int]]]) -> int:
-        """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,
-        between its submodules (the unwatched part of a forward), before any birth: replaying this call
-        would only see them come in ("input data"). 2: autograd made them all inside the model's call (nodes
-        numbered from the call's first on: :func:`_made_since`); 1: the others were made without autograd and
-        share no storage with the model's arguments (``arg_keys``; None: not known yet, an early check), so an
-        enclosing call's replay can tell (never enough for a module-level answer); 0: data coming in (an
-        argument, by keyword or not, or a view of one)."""
-        if self.ctx.log.has_events():
-            return 0  # an earlier birth flowing through: the replayer judges it
-        inputs = entry.live_inputs() or ()
-        bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not _finite_tensor(x)]
-        if not bad:
-            return 0
-        made = [_made_since(x, model_seq) for x in bad]
-        if all(made):
-            return 2
-        return int(all(m or (x.grad_fn is None and (arg_keys is None or storage_key(x) not in arg_keys))
-                       for m, x in zip(made, bad)))
-
-    def _inside_births(self, inside: list[Kept], waiting: list[Kept], outer: Kept, first: int,
-                       strong: set[int]) -> None:
-        """Outputs of calls whose inputs an enclosing module's own code made non-finite (``_made_inside``).
-        An enclosing call kept as non-finite has been replayed by now, innermost first; if none named the
-        op (the enclosing output came out finite, or its call could not be replayed: ``waiting``), the
-        model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
-        module level; without them, the module that called one whose inputs autograd saw made inside
-        (``strong``); else each call is replayed as before (its inputs reported)."""
-        assert self.replayer is not None
-        if len(self.ctx.log.events) > first:
-            return  # an enclosing call's replay named the op: these outputs carry its values
-        if self.replayer.birth(outer, first, fallback=False) or len(self.ctx.log.events) > first:
-            return
-        for entry in waiting:
-            self.replayer.birth(entry, first)  # replays again, then reports at module level, with the reason
-            if len(self.ctx.log.events) > first:
-                return
-        for entry in inside:
-            if id(entry) in strong and self._enclosing_birth(entry, outer, first):
-                return
-        for entry in inside:
-            self.replayer.birth(entry, first)
-
-    def _enclosing_birth(self, entry: Kept, outer: Kept, first: int) -> bool:
-        """No call could be replayed: the module whose code called ``entry``'s module (and made its inputs)
-        is reported at module level, at the line of that call, with a note."""
-        assert self.replayer is not None and outer.module is not None
-        child, root = entry.paths[0], outer.paths[0]
-        parent = child.rpartition(".")[0]
-        t = entry.value()
-        if t is None or not (parent == root or parent.startswith(root + ".")):
-            return False
-        try:
-            module = outer.module if parent == root else outer.module.get_submodule(parent[len(root) + 1:])
-        except (AttributeError, TypeError):  # named from another root (a shared submodule): no module here
-            return False
-        place = entry.place._replace(module=parent) if entry.place is not None else None
-        self._module_birth(parent, module, (), t, place, entry.iteration, first)
-        if len(self.ctx.log.events) == first:
-            return False
-        self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
-                           "the model's call could be replayed; reported at module level")
-        return True
+        KeptCheck(self, self.replayer, outer, model_seq).run()
 
     def _check_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.ctx.module_path()
@@ -354,7 +250,7 @@ class ModuleChecks:
             if last[2] is not None:
                 last[2].paths.append(path)
             if self._left_inside is not None and self._left_inside() is t:  # the child left it to us
-                if not self._module_birth(path, module, args, t, coming_in=self._coming_in):
+                if not self.module_birth(path, module, args, t, coming_in=self._coming_in):
                     self._left_inside = None
             return
         if self._module_mode:  # no dispatch mode runs: our statistics ops need no quieting
@@ -374,7 +270,7 @@ class ModuleChecks:
         else:
             values = self.layers.forward(path, t)
             if self._module_mode and _non_finite(values):
-                left = self._module_birth(path, module, args, t, coming_in=self._coming_in)
+                left = self.module_birth(path, module, args, t, coming_in=self._coming_in)
                 self._left_inside = weakref.ref(t) if left else None
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
@@ -451,7 +347,7 @@ class ModuleChecks:
         if t is None:
             self._freed_birth(entry, first)
             return
-        self._module_birth(entry.paths[0], entry.module, inputs or (), t, entry.place, entry.iteration, first)
+        self.module_birth(entry.paths[0], entry.module, inputs or (), t, entry.place, entry.iteration, first)
 
     def _freed_birth(self, entry: Kept, first: int) -> None:
         """A weakly kept (no-grad) output freed before the check: the event has what was read of it
@@ -478,7 +374,7 @@ class ModuleChecks:
         log.add(module_event(self.ctx, entry.place or here(path, None), op, verdict, (), out, kind, entry.module,
                              False, entry.iteration))
 
-    def _module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
+    def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
                       place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0,
                       coming_in: Optional[Callable[[list[torch.Tensor]], tuple[bool, ...]]] = None) -> bool:
         """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
@@ -580,35 +476,6 @@ _NOTHING = contextlib.nullcontext()
 # waits on it and is read with the others when the model returns. Tests switch this off to run the
 # device's path on a CPU.
 READ_AT_EXIT = True
-
-
-def _made_since(t: torch.Tensor, seq: int) -> bool:
-    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
-    autograd, was not)."""
-    fn = t.grad_fn
-    return fn is not None and compat.node_sequence_nr(fn) >= seq
-
-
-def as_when_left(log: Any, path: str, first: int, left_at: dict[str, int]) -> tuple[bool, bool]:
-    """Module mode: (a submodule already reported, any event before) for the module at ``path``: as they
-    were when a submodule left it its non-finite inputs, if one did (a later, independent birth in a
-    sibling must not make this module's own one a propagation), else as they are now."""
-    cut = left_at.pop(path, None)
-    events = log.events[first:cut] if cut is not None else log.events[first:]
-    inner = any(e.module and e.module.startswith(path + ".") for e in events)
-    had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
-    return inner, had_events
-
-
-def _encloses(entry: Kept, inside: list[Kept]) -> bool:
-    """Whether one of ``entry``'s module paths encloses a module path of an ``inside`` entry."""
-    return any(other.startswith(path + ".") for path in entry.paths for e in inside for other in e.paths)
-
-
-def _finite_tensor(t: torch.Tensor) -> bool:
-    """No NaN/Inf in ``t`` (the cheap sum first; a sum that overflowed is confirmed element-wise)."""
-    with torch.no_grad():
-        return _isfinite(ops.sum_value(t)) or not ops.any_nonfinite(t)
 
 
 def _non_finite(values: Optional[list[float]]) -> bool:

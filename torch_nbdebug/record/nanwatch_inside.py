@@ -1,0 +1,173 @@
+"""Replay's check of the kept module outputs when a model returns, and what tells a NaN made by a module's
+own code between its submodules from data coming in.
+
+A forward runs without the per-op watch inside a model, so a submodule whose inputs the code of an enclosing
+module made non-finite (attention scores overflowing inside the attention module, fed to its output
+projection) would only see them come in, "input data". Such a call is left to the enclosing call, whose replay
+under the per-op watch names the op; a tensor counts as made inside when autograd numbered its node from the
+model call's first on (data passed in, by keyword or not, or a view of it, was made before), or, for a
+replay only, when it was made without autograd and shares no storage with the model's arguments.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from torch_nbdebug.record import compat
+from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch_kept import Kept
+from torch_nbdebug.record.nanwatch_replay import Replayer
+from torch_nbdebug.record.tensors import storage_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+
+_isfinite = math.isfinite
+
+
+class KeptCheck:
+    """One check of the kept outputs (``ModuleChecks.check_kept``): ``outer`` is the model's call when it
+    returned (None: an early check while it runs), ``model_seq`` its first autograd node number."""
+
+    def __init__(self, checks: "ModuleChecks", replayer: Replayer, outer: Optional[Kept],
+                 model_seq: Optional[int]) -> None:
+        self.checks, self.replayer, self.outer, self.model_seq = checks, replayer, outer, model_seq
+
+    def run(self) -> None:
+        checks, outer, log = self.checks, self.outer, self.checks.ctx.log
+        first = len(log.events)  # events of earlier checks are other births, not this output's
+        freed: list[Kept] = []
+        inside: list[Kept] = []
+        waiting: list[Kept] = []  # enclosing calls of ``inside`` that could not be replayed
+        later: list[Kept] = []  # an early check (the model still runs): ``inside`` ones wait for its end
+        # The storages of the model call's tensor arguments: data coming in (an early check knows none yet).
+        arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
+            else None
+        strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
+        for entry in checks.kept.take():
+            for path in entry.paths if entry.table else ():
+                checks.layers.take_forward(path, entry.values)
+            values = entry.values
+            if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+                if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
+                    freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
+                elif self.model_seq is not None and (how := self._made_inside(entry, self.model_seq, arg_keys)):
+                    # an enclosing call's own code made its inputs: that call is replayed
+                    (inside if outer is not None else later).append(entry)
+                    if how == 2:
+                        strong.add(id(entry))
+                elif inside and encloses(entry, inside):  # at module level only once the model's replay failed
+                    if not self.replayer.birth(entry, first, fallback=False) and len(log.events) == first:
+                        waiting.append(entry)
+                else:
+                    self.replayer.birth(entry, first)
+        if later:
+            for entry in later:
+                entry.parts = ()  # (read already)
+            checks.kept.entries[:0] = later
+        if inside and outer is not None:
+            self._inside_births(inside, waiting, outer, first, strong)
+        events = log.events
+        if freed and outer is not None and not any(
+                e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
+                for e in events[first:]):
+            if self.replayer.birth(outer, first, fallback=False):  # the whole model's call names the ops
+                freed = []
+        for entry in freed:
+            path = entry.paths[0]
+            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
+                checks.module_fallback(entry, first)
+
+    def _made_inside(self, entry: Kept, model_seq: int, arg_keys: Optional[set[Optional[int]]]) -> int:
+        """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,
+        between its submodules (the unwatched part of a forward), before any birth: replaying this call
+        would only see them come in ("input data"). 2: autograd made them all inside the model's call (nodes
+        numbered from the call's first on: :func:`made_since`); 1: the others were made without autograd and
+        share no storage with the model's arguments (``arg_keys``; None: not known yet, an early check), so an
+        enclosing call's replay can tell (never enough for a module-level answer); 0: data coming in (an
+        argument, by keyword or not, or a view of one)."""
+        if self.checks.ctx.log.has_events():
+            return 0  # an earlier birth flowing through: the replayer judges it
+        inputs = entry.live_inputs() or ()
+        bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not finite_tensor(x)]
+        if not bad:
+            return 0
+        made = [made_since(x, model_seq) for x in bad]
+        if all(made):
+            return 2
+        return int(all(m or (x.grad_fn is None and (arg_keys is None or storage_key(x) not in arg_keys))
+                       for m, x in zip(made, bad)))
+
+    def _inside_births(self, inside: list[Kept], waiting: list[Kept], outer: Kept, first: int,
+                       strong: set[int]) -> None:
+        """Outputs of calls whose inputs an enclosing module's own code made non-finite (``_made_inside``).
+        An enclosing call kept as non-finite has been replayed by now, innermost first; if none named the
+        op (the enclosing output came out finite, or its call could not be replayed: ``waiting``), the
+        model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
+        module level; without them, the module that called one whose inputs autograd saw made inside
+        (``strong``); else each call is replayed as before (its inputs reported)."""
+        if len(self.checks.ctx.log.events) > first:
+            return  # an enclosing call's replay named the op: these outputs carry its values
+        if self.replayer.birth(outer, first, fallback=False) or len(self.checks.ctx.log.events) > first:
+            return
+        for entry in waiting:
+            self.replayer.birth(entry, first)  # replays again, then reports at module level, with the reason
+            if len(self.checks.ctx.log.events) > first:
+                return
+        for entry in inside:
+            if id(entry) in strong and self._enclosing_birth(entry, outer, first):
+                return
+        for entry in inside:
+            self.replayer.birth(entry, first)
+
+    def _enclosing_birth(self, entry: Kept, outer: Kept, first: int) -> bool:
+        """No call could be replayed: the module whose code called ``entry``'s module (and made its inputs)
+        is reported at module level, at the line of that call, with a note."""
+        assert outer.module is not None
+        child, root = entry.paths[0], outer.paths[0]
+        parent = child.rpartition(".")[0]
+        t = entry.value()
+        if t is None or not (parent == root or parent.startswith(root + ".")):
+            return False
+        try:
+            module = outer.module if parent == root else outer.module.get_submodule(parent[len(root) + 1:])
+        except (AttributeError, TypeError):  # named from another root (a shared submodule): no module here
+            return False
+        place = entry.place._replace(module=parent) if entry.place is not None else None
+        self.checks.module_birth(parent, module, (), t, place, entry.iteration, first)
+        if len(self.checks.ctx.log.events) == first:
+            return False
+        self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
+                           "the model's call could be replayed; reported at module level")
+        return True
+
+
+def made_since(t: torch.Tensor, seq: int) -> bool:
+    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
+    autograd, was not)."""
+    fn = t.grad_fn
+    return fn is not None and compat.node_sequence_nr(fn) >= seq
+
+
+def as_when_left(log: Any, path: str, first: int, left_at: dict[str, int]) -> tuple[bool, bool]:
+    """Module mode: (a submodule already reported, any event before) for the module at ``path``: as they
+    were when a submodule left it its non-finite inputs, if one did (a later, independent birth in a
+    sibling must not make this module's own one a propagation), else as they are now."""
+    cut = left_at.pop(path, None)
+    events = log.events[first:cut] if cut is not None else log.events[first:]
+    inner = any(e.module and e.module.startswith(path + ".") for e in events)
+    had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
+    return inner, had_events
+
+
+def encloses(entry: Kept, inside: list[Kept]) -> bool:
+    """Whether one of ``entry``'s module paths encloses a module path of an ``inside`` entry."""
+    return any(other.startswith(path + ".") for path in entry.paths for e in inside for other in e.paths)
+
+
+def finite_tensor(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t`` (the cheap sum first; a sum that overflowed is confirmed element-wise)."""
+    with torch.no_grad():
+        return _isfinite(ops.sum_value(t)) or not ops.any_nonfinite(t)
