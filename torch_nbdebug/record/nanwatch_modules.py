@@ -21,10 +21,10 @@ from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
 from torch_nbdebug.record.nanwatch_context import WatchContext
 from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
+from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
 from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
 from torch_nbdebug.record.nanwatch_params import carriers
-from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
 from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
@@ -110,8 +110,8 @@ class ModuleChecks:
 
     def _coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
         """Module mode: which of a call's inputs count as data coming in. A top-level call's do; a nested
-        call's unless the model's call made them (:func:`_made_since`): an enclosing module's code between
-        its submodules (no op is watched there), and that module is judged when it returns."""
+        call's unless the model's call made them (:func:`~nanwatch_inside.made_since`): an enclosing module's
+        code between its submodules (no op is watched there), and that module is judged when it returns."""
         if self._depth() <= 1:
             return tuple(True for _ in inputs)
         seq = self._model_seq
@@ -375,8 +375,8 @@ class ModuleChecks:
                              False, entry.iteration))
 
     def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
-                      place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0,
-                      coming_in: Optional[Callable[[list[torch.Tensor]], tuple[bool, ...]]] = None) -> bool:
+                     place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0,
+                     coming_in: Optional[Callable[[list[torch.Tensor]], tuple[bool, ...]]] = None) -> bool:
         """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
         the output is left to the enclosing module (inputs an enclosing module's own code made)."""
         log = self.ctx.log
