@@ -130,3 +130,25 @@ def test_layer_for_module_maps_nanwatch_paths() -> None:
     assert layer_for_module(trace, "m.l1.act") == 1
     assert layer_for_module(trace, "m") == 0
     assert layer_for_module(trace, "other.l1") is None and layer_for_module(trace, None) is None
+
+
+def test_the_text_table_shows_whole_layer_class_names() -> None:
+    """``MultiheadAttention`` was cut to ``MultiheadAtt`` (a 12-character column)."""
+    import torch
+    from torch import nn
+
+    from torch_nbdebug.api.grads import grads
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attention(x, x, x)[0])
+
+    block = Block()
+    block(torch.randn(2, 3, 8)).sum().backward()
+    text = grads(block, name="block").text()
+    assert "MultiheadAttention " in text and "MultiheadAtt " not in text

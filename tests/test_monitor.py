@@ -89,10 +89,20 @@ def test_an_expression_that_failed_is_not_called_non_finite() -> None:
     assert alerts(h) == ()
 
 
-def test_running_median_ignores_nonfinite_and_waits_for_a_full_window() -> None:
+def test_running_median_ignores_nonfinite_and_uses_every_earlier_point_before_a_full_window() -> None:
     med = running_median(np.array([1, 2, np.nan, 4, 5, 6.0]), 3)
-    assert np.isnan(med[:3]).all()
+    assert np.isnan(med[0]) and med[1] == 1.0 and med[2] == 1.5
     assert med[3] == 1.5 and med[4] == 3.0 and med[5] == 4.5
+    early = running_median(np.arange(1.0, 13.0), 20)  # a short run: from 5 earlier points on
+    assert np.isnan(early[:5]).all() and early[5] == 3.0 and early[11] == 6.0
+
+
+def test_a_spike_in_a_short_run_is_found() -> None:
+    """A x1000 loss spike at step 8 of 12 raised nothing: the median waited for 20 earlier points."""
+    base = [1.0, 0.9, 0.85, 0.8, 0.78, 0.75, 0.74, 0.73, 730.0, 0.72, 0.71, 0.7]
+    found = [a for a in alerts(history(base)) if a.kind == "spike"]
+    assert len(found) == 1 and found[0].value == 730.0
+    assert not [a for a in alerts(history(base[:4] + [30.0])) if a.kind == "spike"]  # 4 points: too few
 
 
 def test_smooth_is_a_debiased_moving_average_and_thin_keeps_the_ends() -> None:

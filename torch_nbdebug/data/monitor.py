@@ -24,7 +24,7 @@ class Rules:
 
     - non-finite: a watched value or a layer's gradient norm is NaN or Inf (always on);
     - spike: a watched value is more than ``spike_factor`` times the median of its last
-      ``spike_window`` points (in absolute value);
+      ``spike_window`` points (in absolute value; of all earlier ones, at least five, in a run's first steps);
     - plateau: the first watched value (the loss) has not improved its best by more than
       ``plateau_tol`` (relative) over the last ``plateau_window`` points;
     - vanishing / exploding: a layer's gradient norm is below ``vanishing`` / above ``exploding``.

@@ -49,27 +49,31 @@ def nonfinite(steps: np.ndarray, series: np.ndarray, name: str) -> list[Alert]:
     return [Alert("non-finite", int(steps[k]), name, float(series[k]), math.nan)]
 
 
+SPIKE_WARMUP = 5  # finite points a spike is measured against, at least (fewer: no median yet)
+
+
 def running_median(series: np.ndarray, window: int) -> np.ndarray:
-    """Median of |value| over the ``window`` points before each point (NaN until there are enough);
-    non-finite points are left out so one NaN does not hide a later spike."""
+    """Median of |value| over the ``window`` points before each point, or over all earlier points while
+    there are fewer (from ``SPIKE_WARMUP`` finite ones on: a spike at step 8 of a short run counts too);
+    NaN before that. Non-finite points are left out so one NaN does not hide a later spike."""
     out = np.full(len(series), np.nan)
-    if len(series) <= window:
-        return out
     mags = np.abs(series.astype(np.float64))
     mags[~np.isfinite(mags)] = np.nan
-    past = np.lib.stride_tricks.sliding_window_view(mags, window)[:-1]   # past[j] precedes point j + window
-    enough = np.sum(np.isfinite(past), axis=1) >= max(window // 2, 1)
+    least = min(SPIKE_WARMUP, max(window // 2, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: NaN, as wanted
-        medians = np.nanmedian(past, axis=1)
-    out[window:] = np.where(enough, medians, np.nan)
+        for j in range(1, min(window, len(series))):  # the first points: every earlier one
+            if np.sum(np.isfinite(mags[:j])) >= least:
+                out[j] = np.nanmedian(mags[:j])
+        if len(series) > window:
+            past = np.lib.stride_tricks.sliding_window_view(mags, window)[:-1]  # past[j] precedes point j + window
+            enough = np.sum(np.isfinite(past), axis=1) >= max(window // 2, 1)
+            out[window:] = np.where(enough, np.nanmedian(past, axis=1), np.nan)
     return out
 
 
 def spike(steps: np.ndarray, series: np.ndarray, name: str, rules: Rules) -> list[Alert]:
     """The first finite value more than ``spike_factor`` times its running median (in magnitude)."""
-    if len(series) <= rules.spike_window:
-        return []
     median = running_median(series, rules.spike_window)
     with np.errstate(invalid="ignore"):
         hit = np.isfinite(series) & (median > 0) & (np.abs(series) > rules.spike_factor * median)

@@ -58,10 +58,12 @@ def text(trace: GradTrace, flags: tuple[Flag, ...], step: int = -1) -> str:
     table = layer_table(trace, step)
     by_layer = flagged_layers(tuple(f for f in flags if f.step == step))
     width = max([len(n) for n in trace.layer_names] + [5])
-    lines.append(f"{'layer':<{width}}  {'type':<12} {'norm':>9} {'mean|g|':>9} {'max|g|':>9} {'‖Δw‖/‖w‖':>9}  flags")
+    kind_w = max([len(layer.kind) for layer in trace.layers] + [4])  # whole class names (MultiheadAttention)
+    lines.append(f"{'layer':<{width}}  {'type':<{kind_w}} {'norm':>9} {'mean|g|':>9} {'max|g|':>9} {'‖Δw‖/‖w‖':>9}  "
+                 "flags")
     for li, layer in enumerate(trace.layers):
         kinds = ",".join(f.kind for f in by_layer.get(li, []))
-        lines.append(f"{layer.name:<{width}}  {layer.kind[:12]:<12} {fmt(table['norm'][li]):>9} "
+        lines.append(f"{layer.name:<{width}}  {layer.kind:<{kind_w}} {fmt(table['norm'][li]):>9} "
                      f"{fmt(table['mean_abs'][li]):>9} {fmt(table['max_abs'][li]):>9} "
                      f"{fmt(table['update_ratio'][li]):>9}  {kinds}")
     for li, found in by_layer.items():
