@@ -190,3 +190,25 @@ def test_long_edges_run_in_their_own_lane() -> None:
         box = lay.boxes[mid]
         assert not box.x <= x <= box.x + box.w and box.y <= y <= box.y + box.h
 
+
+
+def test_module_level_view_keeps_a_leaf_module_with_many_nodes_closed_and_opens_a_wide_container() -> None:
+    """An LSTM's unrolled steps are many nodes of one leaf module, cut into chunks: the module-level view
+    opened it as if the chunks were sub-modules. A container of many sub-modules, chunked, still opens."""
+    nodes = [_op(i, "model.lstm", "lstm_step") for i in range(120)] + [_op(120, "model.head", "addmm")]
+    edges = tuple(GraphEdge(f"n{i}", f"n{i + 1}") for i in range(len(nodes) - 1))
+    mods = (ModuleInfo("model", "Net"), ModuleInfo("model.lstm", "LSTM", "model"),
+            ModuleInfo("model.head", "Linear", "model"))
+    data = GraphData(nodes=tuple(nodes), edges=edges, modules=mods, title="rnn")
+    hier = pg.build_hierarchy(data)
+    assert any(g.kind == "chunk" and g.parent == "m:model.lstm" for g in hier.groups.values())
+    opened = pg.expand_modules(hier)
+    assert "m:model" in opened and "m:model.lstm" not in opened
+    assert _shown(data, hier, opened) == {"m:model.lstm", "m:model.head"}
+    wide = [_op(i, f"model.layers.{i}", "addmm") for i in range(120)]
+    wide_mods = (ModuleInfo("model", "Net"), ModuleInfo("model.layers", "Sequential", "model"),
+                 *(ModuleInfo(f"model.layers.{i}", "Linear" if i % 2 else "ReLU", "model.layers") for i in range(120)))
+    wide_data = GraphData(nodes=tuple(wide), edges=tuple(GraphEdge(f"n{i}", f"n{i + 1}") for i in range(119)),
+                          modules=wide_mods, title="wide")
+    wide_hier = pg.build_hierarchy(wide_data)
+    assert "m:model.layers" in pg.expand_modules(wide_hier)

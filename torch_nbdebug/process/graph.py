@@ -287,7 +287,8 @@ def expand_modules(hier: Hierarchy) -> frozenset[str]:
     for gid, g in hier.groups.items():
         if g.repeat and not (alone and g.parent == ROOT):
             continue
-        if g.kind == "chunk" or any(i in hier.groups for i in hier.items[gid]):
+        # (looking through chunks: a leaf module whose many nodes were chunked, an LSTM's steps, stays closed)
+        if g.kind == "chunk" or _modules_in(hier, gid):
             out.add(gid)
     return frozenset(out)
 
