@@ -21,8 +21,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
-from torch_nbdebug.record.compat import (TorchDispatchMode, current_autograd_node, next_sequence_nr,
-                                         node_sequence_nr, storage_key, tensor_key)
+from torch_nbdebug.record.compat import (StorageWeakRef, TorchDispatchMode, current_autograd_node,
+                                         next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
@@ -85,7 +85,10 @@ class ReproRecorder:
         # (same storage, geometry and version counter), which ``_known`` cannot recognise.
         self._views: dict[tuple[Any, ...], tuple[int, int, int, Slot]] = {}  # -> (version, address, writes, slot)
         self._writes: dict[Optional[int], int] = {}  # storage -> ops that wrote or made it, once views are kept
-        self._uninit: dict[int, int] = {}
+        self._uninit: dict[int, int] = {}  # storage of an ``empty`` op's output not written yet -> the op's index
+        # ... and a weak reference to it: its address stays its own while held, and a freed one is forgotten
+        # (whether the allocator reused an address decided which optimizer ops were compared in full: flaky)
+        self._uninit_refs: dict[int, StorageWeakRef] = {}
         self._forward_places: dict[int, OpPlace] = {}
         self._optimizer_depth = 0
         self._last_seq = -1
@@ -122,6 +125,7 @@ class ReproRecorder:
             self._views.clear()
             self._writes.clear()
             self._uninit.clear()
+            self._uninit_refs.clear()
             self._forward_places.clear()
 
     def _remove(self) -> None:
@@ -151,7 +155,7 @@ class ReproRecorder:
         info = op_info(func)
         if self.stopped or info.skip:
             return func(*args, **kwargs)
-        if self._optimizer_depth and info.light and not self._uninit:
+        if self._optimizer_depth and info.light and not (self._uninit and self._uninit_alive()):
             return self._optimizer_op(info, func, args, kwargs)
         index = len(self.traces) + len(self._raw)
         phase = self._phase()
@@ -271,6 +275,13 @@ class ReproRecorder:
         label = self.labels.get(id(t))
         return f"state:{label}" if label else "not_in_snapshot"
 
+    def _uninit_alive(self) -> bool:
+        """Whether an ``empty`` op's unwritten output is still alive (freed ones are forgotten here)."""
+        for key in [k for k, ref in self._uninit_refs.items() if ref.expired()]:
+            self._uninit.pop(key, None)
+            del self._uninit_refs[key]
+        return bool(self._uninit)
+
     def _uninit_read(self, info: OpInfo, reads: list[tuple[str, torch.Tensor]]) -> Optional[int]:
         if not self._uninit or info.is_view:
             return None
@@ -296,6 +307,7 @@ class ReproRecorder:
                 slot: Slot = ("mark", f"uninitialized@{index}")
                 if key is not None:
                     self._uninit[key] = index
+                    self._uninit_refs[key] = StorageWeakRef(t.untyped_storage())
             elif info.is_view:
                 slot = ("ref", index, k)
                 if key is not None:
@@ -329,10 +341,14 @@ class ReproRecorder:
             return
         if not info.writes and not info.is_view and not info.empty:
             for t in outs:
-                self._uninit.pop(storage_key(t), None)  # type: ignore[arg-type]
+                self._initialized(storage_key(t))
         for name, t in named:
             if name.split("[")[0] in info.overwrites and _covers_storage(t):
-                self._uninit.pop(storage_key(t), None)  # type: ignore[arg-type]
+                self._initialized(storage_key(t))
+
+    def _initialized(self, key: Optional[int]) -> None:
+        if key is not None and self._uninit.pop(key, None) is not None:
+            self._uninit_refs.pop(key, None)
 
     def _fingerprint(self, t: torch.Tensor) -> Slot:
         if not fingerprintable(t):
