@@ -124,9 +124,10 @@ def _last_assigned_graph(cell: str, namespace: Any) -> Any:
         statements = ast.parse(cell).body
     except SyntaxError:  # (IPython syntax in the cell: its module outputs are graphed instead)
         return None
-    names = [target.id for node in statements
-             for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
-             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and isinstance(target, ast.Name)]
+    targets = [t for node in statements if isinstance(node, ast.Assign) for t in node.targets] + \
+        [node.target for node in statements if isinstance(node, (ast.AugAssign, ast.AnnAssign))]
+    targets.sort(key=lambda t: (t.lineno, t.col_offset))  # in the cell's order
+    names = [t.id for t in targets if isinstance(t, ast.Name)]
     for name in reversed(names):
         try:
             value = namespace.get(name)

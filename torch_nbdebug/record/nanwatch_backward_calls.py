@@ -40,12 +40,7 @@ def may_hold_birth(came_bad: bool, came_nan: bool, made_nan: bool, had_events: b
     return not came_bad or not had_events or (made_nan and not came_nan)
 
 
-def finite(t: Any) -> bool:
-    """NaN/Inf-propagating sum, read at once (CPU); a tensor we cannot read counts as finite."""
-    if not isinstance(t, torch.Tensor) or not ops.checkable(t) or t.numel() == 0:
-        return True
-    with torch.no_grad():
-        return math.isfinite(ops.sum_value(t)) or not ops.any_nonfinite(t)
+finite = ops.finite  # (the backward layer's name for it)
 
 class Region:
     """One outermost model call whose forward ran without the per-op watch, until its backward is checked."""

@@ -28,7 +28,8 @@ from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_sit
 from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
 from torch_nbdebug.record.nanwatch_layers import Later
 from torch_nbdebug.record.nanwatch_inside import as_when_left
-from torch_nbdebug.record.nanwatch_modules import bad_parameters, module_event
+from torch_nbdebug.record.nanwatch_modules import module_event
+from torch_nbdebug.record.nanwatch_params import bad_parameters
 from torch_nbdebug.record.tensors import storage_key
 
 _MAX_QUEUE = 4096  # read earlier when this many checks wait

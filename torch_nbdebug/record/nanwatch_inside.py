@@ -91,7 +91,7 @@ class KeptCheck:
         if self.checks.ctx.log.has_events():
             return 0  # an earlier birth flowing through: the replayer judges it
         inputs = entry.live_inputs() or ()
-        bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not finite_tensor(x)]
+        bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not ops.finite(x)]
         if not bad:
             return 0
         made = [made_since(x, model_seq) for x in bad]
@@ -166,8 +166,3 @@ def encloses(entry: Kept, inside: list[Kept]) -> bool:
     """Whether one of ``entry``'s module paths encloses a module path of an ``inside`` entry."""
     return any(other.startswith(path + ".") for path in entry.paths for e in inside for other in e.paths)
 
-
-def finite_tensor(t: torch.Tensor) -> bool:
-    """No NaN/Inf in ``t`` (the cheap sum first; a sum that overflowed is confirmed element-wise)."""
-    with torch.no_grad():
-        return _isfinite(ops.sum_value(t)) or not ops.any_nonfinite(t)

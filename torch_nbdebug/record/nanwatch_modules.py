@@ -24,7 +24,7 @@ from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_even
 from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
 from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
-from torch_nbdebug.record.nanwatch_params import carriers
+from torch_nbdebug.record.nanwatch_params import bad_parameters, carriers
 from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
@@ -33,11 +33,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
-
-
-def bad_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Weights an earlier step (or the code before the watch) made non-finite: inputs too."""
-    return [p for p in module.parameters() if ops.checkable(p) and ops.any_nonfinite(p)]
 
 
 def module_event(ctx: WatchContext, place: Place, op: str, verdict: Verdict, inputs: tuple[TensorStats, ...],

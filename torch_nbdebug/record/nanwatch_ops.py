@@ -198,6 +198,15 @@ def is_bad_value(value: float) -> bool:
     return not math.isfinite(value)
 
 
+def finite(t: Any) -> bool:
+    """NaN/Inf-propagating sum, read at once (CPU); a sum that overflowed is confirmed element-wise, and a
+    tensor we cannot read counts as finite."""
+    if not isinstance(t, torch.Tensor) or not checkable(t) or t.numel() == 0:
+        return True
+    with torch.no_grad():
+        return math.isfinite(sum_value(t)) or not any_nonfinite(t)
+
+
 def any_nonfinite(t: torch.Tensor) -> bool:
     """Precise confirmation (used only after the cheap sum flagged)."""
     return not bool(torch.isfinite(t).all())

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import Cause, ParamKind
+from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.modules import compiled_original, module_roots
 from torch_nbdebug.record.tensors import storage_key
 
@@ -87,6 +88,11 @@ def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
         elif node.name() in _COPIES:
             stack += [f for f, _ in node.next_functions]
     return keys
+
+
+def bad_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Weights an earlier step (or the code before the watch) made non-finite: inputs too."""
+    return [p for p in module.parameters() if ops.checkable(p) and ops.any_nonfinite(p)]
 
 
 def carriers(namespace: Optional[Mapping[str, Any]], keys: Iterable[Optional[int]]) -> Carrier:

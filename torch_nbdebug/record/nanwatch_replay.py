@@ -27,6 +27,7 @@ import torch
 from torch_nbdebug.record import compat
 from torch_nbdebug.record import nanwatch_ops as ops
 from torch_nbdebug.record.nanwatch_events import here
+from torch_nbdebug.record.nanwatch_params import bad_parameters
 from torch_nbdebug.record.source import line_of
 from torch_nbdebug.record.nanwatch_ops import propagating_sum
 
@@ -342,7 +343,7 @@ class Replayer:
             if len(log.events) > before:
                 return True
             why = "the replay stayed finite (randomness or state outside the call, or nondeterminism)"
-            if _nonfinite_weights(entry.module):  # copied out by ops no check watches (an embedding's row)
+            if bad_parameters(entry.module):  # copied out by ops no check watches (an embedding's row)
                 why = ""
         if not fallback:
             return False
@@ -355,12 +356,6 @@ class Replayer:
         """A sentence for the report's notes (at most three, each once)."""
         if len(self.notes) < 3 and note not in self.notes:
             self.notes.append(note)
-
-
-def _nonfinite_weights(module: torch.nn.Module) -> bool:
-    """Whether one of the module's own parameters holds a NaN/Inf: the module-level event names it."""
-    with torch.no_grad():
-        return any(p.is_floating_point() and not _finite(p) for p in module.parameters(recurse=False))
 
 
 def _finite(t: torch.Tensor) -> bool:

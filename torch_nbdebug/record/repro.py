@@ -85,10 +85,10 @@ class ReproRecorder:
         # (same storage, geometry and version counter), which ``_known`` cannot recognise.
         self._views: dict[tuple[Any, ...], tuple[int, int, int, Slot]] = {}  # -> (version, address, writes, slot)
         self._writes: dict[Optional[int], int] = {}  # storage -> ops that wrote or made it, once views are kept
-        self._uninit: dict[int, int] = {}  # storage of an ``empty`` op's output not written yet -> the op's index
-        # ... and a weak reference to it: its address stays its own while held, and a freed one is forgotten
-        # (whether the allocator reused an address decided which optimizer ops were compared in full: flaky)
-        self._uninit_refs: dict[int, StorageWeakRef] = {}
+        # storage of an ``empty`` op's output not written yet -> (the op's index, a weak reference to it): its
+        # address stays its own while held, and a freed one is forgotten (whether the allocator reused an
+        # address decided which optimizer ops were compared in full: flaky)
+        self._uninit: dict[int, tuple[int, StorageWeakRef]] = {}
         self._forward_places: dict[int, OpPlace] = {}
         self._optimizer_depth = 0
         self._last_seq = -1
@@ -125,7 +125,6 @@ class ReproRecorder:
             self._views.clear()
             self._writes.clear()
             self._uninit.clear()
-            self._uninit_refs.clear()
             self._forward_places.clear()
 
     def _remove(self) -> None:
@@ -277,9 +276,8 @@ class ReproRecorder:
 
     def _uninit_alive(self) -> bool:
         """Whether an ``empty`` op's unwritten output is still alive (freed ones are forgotten here)."""
-        for key in [k for k, ref in self._uninit_refs.items() if ref.expired()]:
-            self._uninit.pop(key, None)
-            del self._uninit_refs[key]
+        for key in [k for k, (_, ref) in self._uninit.items() if ref.expired()]:
+            del self._uninit[key]
         return bool(self._uninit)
 
     def _uninit_read(self, info: OpInfo, reads: list[tuple[str, torch.Tensor]]) -> Optional[int]:
@@ -288,7 +286,7 @@ class ReproRecorder:
         for _, t in reads:
             alloc = self._uninit.get(storage_key(t))  # type: ignore[arg-type]
             if alloc is not None:
-                return alloc
+                return alloc[0]
         return None
 
     def _outputs(self, info: OpInfo, index: int, out: Any, named: list[tuple[str, torch.Tensor]],
@@ -306,8 +304,7 @@ class ReproRecorder:
             if info.empty:
                 slot: Slot = ("mark", f"uninitialized@{index}")
                 if key is not None:
-                    self._uninit[key] = index
-                    self._uninit_refs[key] = StorageWeakRef(t.untyped_storage())
+                    self._uninit[key] = (index, StorageWeakRef(t.untyped_storage()))
             elif info.is_view:
                 slot = ("ref", index, k)
                 if key is not None:
@@ -341,14 +338,10 @@ class ReproRecorder:
             return
         if not info.writes and not info.is_view and not info.empty:
             for t in outs:
-                self._initialized(storage_key(t))
+                self._uninit.pop(storage_key(t), None)  # type: ignore[arg-type]
         for name, t in named:
             if name.split("[")[0] in info.overwrites and _covers_storage(t):
-                self._initialized(storage_key(t))
-
-    def _initialized(self, key: Optional[int]) -> None:
-        if key is not None and self._uninit.pop(key, None) is not None:
-            self._uninit_refs.pop(key, None)
+                self._uninit.pop(storage_key(t), None)  # type: ignore[arg-type]
 
     def _fingerprint(self, t: torch.Tensor) -> Slot:
         if not fingerprintable(t):
