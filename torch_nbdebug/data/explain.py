@@ -129,6 +129,7 @@ class Diagnosis:
     recorded: bool = False  # built with a %%explain recording (culprits known), not post mortem only
     suggest_record: bool = False  # a %%explain run would tell more (the culprit of an in-place error)
     restart_needed: bool = False  # a CUDA device-side assert broke the context
+    note: str = ""  # how the run differed from a plain one (compiled code ran eagerly under the recorder)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
