@@ -301,3 +301,18 @@ def test_inplace_by_an_optimizer_step_between_two_backwards(ip: Any) -> None:
     assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "SGD.step", 5, "opt.step()")
     assert "before `step()`" in d.hint
     ip.user_ns.pop("opt", None)
+
+
+@pytest.mark.parametrize("cell", ["net = Gate(inplace_act=True)\nnet(torch.randn(3, 4)).sum().backward()",
+                                  "loss = torch.zeros(3).sum()\nloss.backward()"])
+def test_auto_paragraph_suggests_explain_once(ip: Any, cell: str) -> None:
+    with capture_output() as cap:
+        ip.run_cell(cell)
+    [paragraph] = [o.data for o in cap.outputs]
+    assert paragraph["text/plain"].count("%%explain") == 1, paragraph["text/plain"]
+
+
+def test_a_recorded_card_never_asks_to_run_the_cell_with_explain(ip: Any) -> None:
+    d, _ = explain_cell(ip, "loss = torch.zeros(3).sum()\nloss.backward()\n")
+    assert d.kind == "no_grad" and d.recorded and not d.suggest_record
+    assert "%%explain" not in d.text() and "%%explain" not in d.html(), d.text()

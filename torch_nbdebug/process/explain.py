@@ -102,6 +102,8 @@ def diagnose(facts: FailureFacts, recording: Optional[Recording] = None) -> Opti
         fields = rule.explain(match, facts, recording)
     if kind == "other":
         fields = _other(facts)
+    if recording is not None:  # recorded already: "run it with %%explain" would send the user round in circles
+        fields.pop("suggest_record", None)
     return Diagnosis(kind=kind, message=facts.message, exc_type=facts.exc_type, op=failing_op(rule, facts, match),
                      module=facts.module, filename=facts.filename, lineno=facts.lineno, line=facts.line,
                      operands=facts.operands, recorded=recording is not None, **fields)  # type: ignore[arg-type]

@@ -231,7 +231,7 @@ def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
         return {"summary": f"{saved} was saved for backward, then modified in place",
                 "suggest_record": True,
                 "hint": f"{saved} was saved for backward and later modified in place (version {version}).{guess} "
-                        f"Run the cell with `%%explain` to name the op and line that modified it; then {never}."}
+                        f"Fix: {never}."}
     saver = rec.site_of(event.node_seq) if rec is not None else None
     by = f"`{event.site.op}` at {_where(event.site)}"
     made = f"`{saver.op}` at {_where(saver)}" if saver is not None else f"{node}"
@@ -317,8 +317,7 @@ def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
              "`.item()`/numpy values")
     return {"summary": f"{root} does not require grad: the gradient chain was cut",
             "suggest_record": not frozen,
-            "hint": f"{root} has no grad_fn: {cause}."
-                    f"{'' if frozen else ' Run the cell with `%%explain` to find the line where the chain was cut.'}",
+            "hint": f"{root} has no grad_fn: {cause}.",
             "warning": REQUIRES_GRAD_WARNING}
 
 
