@@ -316,3 +316,33 @@ def test_a_recorded_card_never_asks_to_run_the_cell_with_explain(ip: Any) -> Non
     d, _ = explain_cell(ip, "loss = torch.zeros(3).sum()\nloss.backward()\n")
     assert d.kind == "no_grad" and d.recorded and not d.suggest_record
     assert "%%explain" not in d.text() and "%%explain" not in d.html(), d.text()
+
+
+# -- issue 28: loss sizes, index dtypes ------------------------------------------------------------
+@pytest.mark.parametrize("loss_line,loss,fix", [
+    ("loss = nn.BCEWithLogitsLoss()(logits, y)", "binary_cross_entropy_with_logits", "`y.unsqueeze(1)`"),
+    ("loss = F.binary_cross_entropy(torch.sigmoid(logits), y)", "binary_cross_entropy", "`y.unsqueeze(1)`"),
+    ("loss = F.binary_cross_entropy_with_logits(logits, y.view(4, 1, 1))", "binary_cross_entropy_with_logits",
+     "`logits.unsqueeze(1)`"),
+    ("loss = F.mse_loss(logits.expand(4, 3), y)", "mse_loss", "out_features"),
+])
+def test_a_loss_size_error_is_a_shape_error_at_the_loss_line(ip: Any, loss_line: str, loss: str, fix: str) -> None:
+    body = f"logits = torch.randn(4, 1, requires_grad=True)\ny = torch.ones(4)\n{loss_line}\n"
+    d, exc = explain_cell(ip, body)
+    assert isinstance(exc, (ValueError, RuntimeError))
+    assert (d.kind, d.op, d.lineno, d.line) == ("shape", f"aten::{loss}", 3, loss_line)
+    assert "must have the same shape" in d.summary and fix in d.hint, d.hint
+    if loss != "mse_loss":
+        assert "4×1" in d.summary and "and target 4" in d.summary
+
+
+@pytest.mark.parametrize("line,op", [("out = torch.gather(data, 1, idx)", "gather"),
+                                     ("out = data.index_select(0, idx[0])", "index_select"),
+                                     ("out = data.scatter(1, idx, 1.0)", "scatter"),
+                                     ("out = data[idx]", "index")])
+def test_a_float_index_is_a_dtype_error_naming_the_index(ip: Any, line: str, op: str) -> None:
+    body = f"data = torch.randn(3, 4)\nidx = torch.zeros(3, 2)\n{line}\n"
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.op, d.lineno) == ("dtype", f"aten::{op}", 3)
+    name = "idx[0]" if op == "index_select" else "idx"
+    assert f"`{name}`" in d.summary and f"`{name}.long()`" in d.hint, d.hint

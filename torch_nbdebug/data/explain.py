@@ -103,6 +103,8 @@ class FailureFacts:
     freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
+    loss: str = ""  # the torch.nn.functional loss the error came through (``mse_loss``), when it wants same shapes
+    loss_shapes: tuple[tuple[int, ...], ...] = ()  # that loss's (input, target) shapes
 
 
 @dataclass(frozen=True)

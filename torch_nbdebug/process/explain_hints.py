@@ -2,6 +2,7 @@
 and (after a ``%%explain`` run) the recording, and returns the diagnosis fields it can fill."""
 from __future__ import annotations
 
+import ast
 import math
 import re
 from typing import Optional
@@ -118,6 +119,8 @@ def view_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording])
 
 
 def broadcast_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    if facts.loss and len(facts.loss_shapes) == 2:  # mse_loss & co. broadcast, then fail: a loss size error
+        return _loss_sizes(facts, facts.loss_shapes[0], facts.loss_shapes[1])
     groups = [int(g) for g in m.groups()]
     if len(groups) == 2:
         summary = f"the input has batch size {groups[0]} but the target {groups[1]}"
@@ -129,6 +132,37 @@ def broadcast_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Record
     return {"summary": summary + _in(facts), "hint": f"{summary}{' (' + shapes + ')' if shapes else ''}. "
             "Broadcasting aligns shapes from the right; each pair of sizes must be equal or 1. Add the "
             "missing dimension with `unsqueeze`, or fix the operand with the wrong size."}
+
+
+def loss_size_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    """``Target size (...) must be the same as input size (...)``: BCE losses check the sizes themselves."""
+    target, given = (tuple(_dims(g)) for g in (m.group(1), m.group(2)) if g is not None) if m.group(1) is not None \
+        else (tuple(_dims(m.group(3))), tuple(_dims(m.group(4))))
+    return _loss_sizes(facts, given, target)
+
+
+def _loss_sizes(facts: FailureFacts, given: tuple[int, ...], target: tuple[int, ...]) -> Fields:
+    loss = f"`{facts.loss}`" if facts.loss else "the loss"
+    out, tgt = (_operand_named(facts, shape, fallback) for shape, fallback in ((given, "output"), (target, "target")))
+    summary = f"{loss}{_in(facts)} got input {_sizes(given)} and target {_sizes(target)}: they must have the " \
+              "same shape"
+    if given == target + (1,) or given[:1] + given[2:] == target and given[1:2] == (1,):
+        fix = f"`{tgt}.unsqueeze(1)` (or `{out}.squeeze(1)`)"
+    elif target == given + (1,) or target[:1] + target[2:] == given and target[1:2] == (1,):
+        fix = f"`{tgt}.squeeze(1)` (or `{out}.unsqueeze(1)`)"
+    elif math.prod(given) == math.prod(target):
+        fix = f"`{tgt}.view_as({out})`"
+    else:
+        fix = ("nothing reshapes one into the other: the model's output size (`out_features` of its last "
+               "layer) and the targets' shape disagree, or the targets come from another batch")
+    return {"summary": summary,
+            "hint": f"{summary}. A size-1 dimension left over (or missing) broadcasts into wrong results or "
+                    f"fails: use {fix}." if fix.startswith("`") else f"{summary}: {fix}."}
+
+
+def _operand_named(facts: FailureFacts, shape: tuple[int, ...], fallback: str) -> str:
+    """The name, on the user's line, of the operand of this shape."""
+    return next((o.name for o in facts.operands if o.shape == shape), fallback)
 
 
 # -- dtypes and devices --------------------------------------------------------------------------
@@ -149,6 +183,55 @@ def dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]
            if double else "convert one operand with `.to(other.dtype)`")
     summary = f"operands of different dtypes{_in(facts)}"
     return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. {fix[0].upper()}{fix[1:]}."}
+
+
+def index_dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    """A float (or other non-integer) tensor given as the index of gather/scatter/index_select/``x[i]``."""
+    op = m.group(1) if m.groups() and m.group(1) else "indexing"
+    name = index_argument(facts.line, op)
+    found = next((o for o in facts.operands if o.name == name), None) if name else None
+    if not name:
+        found = next((o for o in reversed(facts.operands) if o.dtype.startswith(("float", "bfloat"))), None)
+    name = found.name if found is not None else name
+    index = f"`{name}`{f' ({found.dtype})' if found is not None else ''}" if name else "the index"
+    summary = f"the index of `{op}`{_in(facts)} is {index}, not an integer tensor"
+    return {"summary": summary,
+            "hint": f"{summary}: indices must be int64 (or int32). Convert it with `{name or 'index'}.long()`, or "
+                    "build it as integers (`//` instead of `/`, `torch.arange`, `argmax`) so no value is rounded."}
+
+
+def index_argument(line: str, op: str) -> str:
+    """The expression a line passes as the index of ``op``: ``x.gather(1, idx)`` -> ``idx``;
+    ``torch.scatter(x, 1, idx, src)`` -> ``idx``; ``x[idx]`` -> ``idx``. '' when not found."""
+    try:
+        tree = ast.parse(_statement(line))
+    except SyntaxError:
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and op == "indexing":
+            return ast.unparse(node.slice)
+        if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Attribute, ast.Name)):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        if name.rstrip("_") != op.rstrip("_"):
+            continue
+        keyword = next((k.value for k in node.keywords if k.arg == "index"), None)
+        method = isinstance(node.func, ast.Attribute) and not _is_namespace(node.func.value)
+        position = 1 if method else 2  # x.gather(dim, index) / torch.gather(input, dim, index)
+        arg = keyword or (node.args[position] if len(node.args) > position else None)
+        return ast.unparse(arg) if arg is not None else ""
+    return ""
+
+
+def _is_namespace(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in {"torch", "F"}
+
+
+def _statement(line: str) -> str:
+    text = line.strip()
+    for prefix in ("return ", "yield "):
+        text = text[len(prefix):] if text.startswith(prefix) else text
+    return text
 
 
 def device_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:

@@ -63,9 +63,30 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
         facts.update(_index_facts(frames, facts.get("call", "")))
     if "inplace operation" in facts["message"] and not facts.get("inplace_modules"):
         facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
+    facts.update(_loss_facts(frames))
     if user is not None:
         facts.update(_backward_facts(user[0], facts.get("line", ""), namespace, old_graph_before, backward_root))
     return FailureFacts(**facts)
+
+
+# Losses that compare an input and a target of the same shape (not class-index losses like cross_entropy).
+_SAME_SHAPE_LOSSES = frozenset({
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss", "gaussian_nll_loss",
+    "multilabel_soft_margin_loss"})
+
+
+def _loss_facts(frames: Frames) -> dict[str, Any]:
+    """The same-shape loss of ``torch.nn.functional`` the error came through, with its input's and
+    target's shapes (from that finished frame's arguments)."""
+    for frame, _ in frames:
+        code = frame.f_code
+        if code.co_name in _SAME_SHAPE_LOSSES and code.co_filename.startswith(_TORCH_DIR):
+            local = _locals(frame)
+            shapes = tuple(tuple(t.shape) for t in (local.get("input"), local.get("target"))
+                           if isinstance(t, torch.Tensor))
+            return {"loss": code.co_name, "loss_shapes": shapes if len(shapes) == 2 else ()}
+    return {}
 
 
 def _user_globals(frames: "Frames") -> Mapping[str, Any]:
@@ -90,6 +111,8 @@ def _where_facts(frames: Frames, user: Optional[tuple[types.FrameType, int]], na
     if frames:
         facts["call"] = _raising_call(tb_lasti, frames[-1][0]) or \
             _last_call(line_of(frames[-1][0].f_code.co_filename, frames[-1][1]).text)
+        if facts["call"].endswith(("Error", "Exception")):  # ``raise ValueError(...)``: the function raising
+            facts["call"] = frames[-1][0].f_code.co_name
     modules = [m for m in (_module_of(f) for f, _ in frames) if m is not None]
     if modules:
         module = modules[-1]
