@@ -346,3 +346,32 @@ def test_a_float_index_is_a_dtype_error_naming_the_index(ip: Any, line: str, op:
     assert (d.kind, d.op, d.lineno) == ("dtype", f"aten::{op}", 3)
     name = "idx[0]" if op == "index_select" else "idx"
     assert f"`{name}`" in d.summary and f"`{name}.long()`" in d.hint, d.hint
+
+
+MADE_IN_FORWARD = """
+class Made(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        proj = nn.Linear(4, 4)
+        mask = torch.ones(2, 4)
+        return proj(self.fc(x)) if self.use_proj else self.fc(x) * mask
+"""
+
+
+@pytest.mark.parametrize("use_proj", [True, False])
+def test_what_a_forward_made_for_itself_is_named_as_the_models(ip: Any, use_proj: bool) -> None:
+    """``model.to(device)`` never moves a module or tensor made inside ``forward`` (the meta device stands
+    in for a GPU): it is named as the model's (``model.proj``, not ``linear``), its line is the culprit."""
+    ip.run_cell(MADE_IN_FORWARD + f"model = Made().to('meta')\nmodel.use_proj = {use_proj}\n")
+    d, exc = explain_cell(ip, "out = model(torch.randn(2, 4, device='meta'))\n")
+    assert d.kind == "device"
+    if use_proj:
+        assert d.module == "model.proj" and (d.culprit_module, d.culprit_line) == ("model", "proj = nn.Linear(4, 4)")
+        assert "create it once in `__init__` (`self.proj = ...`)" in d.hint, d.hint
+    else:
+        assert d.module == "model" and (d.culprit_module, d.culprit_line) == ("model", "mask = torch.ones(2, 4)")
+        assert "`mask` is made inside `model`'s forward" in d.hint and "device=x.device" in d.hint, d.hint
+    assert d.culprit_lineno == 6 + (not use_proj) and d.culprit_filename == d.filename
+    ip.user_ns.pop("Made", None)

@@ -103,6 +103,9 @@ class FailureFacts:
     freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
+    module_made_in_forward: bool = False  # ``module`` was made inside its owner's forward (never moved by .to())
+    made_in_forward: tuple[str, ...] = ()  # operands the running forward made from nothing (``torch.ones(...)``)
+    made_site: Optional[OpSite] = None  # the line of that forward that made it (``proj = nn.Linear(4, 4)``)
     loss: str = ""  # the torch.nn.functional loss the error came through (``mse_loss``), when it wants same shapes
     loss_shapes: tuple[tuple[int, ...], ...] = ()  # that loss's (input, target) shapes
 

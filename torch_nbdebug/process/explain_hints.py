@@ -182,7 +182,24 @@ def dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]
            "(or `torch.from_numpy(a).float()`), or build the model in float64 with `model.double()`"
            if double else "convert one operand with `.to(other.dtype)`")
     summary = f"operands of different dtypes{_in(facts)}"
-    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. {fix[0].upper()}{fix[1:]}."}
+    fix = made_in_forward(facts, "`model.double()`/`.half()`", "dtype=x.dtype") or f"{fix[0].upper()}{fix[1:]}."
+    return {**culprit_fields(facts.made_site), "summary": summary,
+            "hint": f"{summary}{': ' + named if named else ''}. {fix}"}
+
+
+def made_in_forward(facts: FailureFacts, mover: str, keyword: str) -> str:
+    """The fix when the odd one out was made inside a ``forward`` (``mover`` never reached it), else ''."""
+    if facts.module_made_in_forward:
+        owner, _, var = facts.module.rpartition(".")
+        return (f"`{facts.module}` is made inside `{owner}`'s forward, so {mover} never reaches it (and it is "
+                f"made anew, untrained, at every call): create it once in `__init__` (`self.{var} = ...`).")
+    if facts.made_in_forward:
+        names = ", ".join(f"`{n}`" for n in facts.made_in_forward)
+        return (f"{names} {'is' if len(facts.made_in_forward) == 1 else 'are'} made inside "
+                f"`{facts.module or 'the'}`'s forward, which {mover} never reaches: create it with `{keyword}` "
+                f"from the input, or once in `__init__` as a buffer (`self.register_buffer(...)`), which moves "
+                f"with the model.")
+    return ""
 
 
 def index_dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
@@ -240,9 +257,11 @@ def device_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording
         by_device.setdefault(o.device, []).append(f"`{o.name}`")
     named = "; ".join(f"{', '.join(v)} on {k}" for k, v in by_device.items())
     summary = f"operands on different devices{_in(facts)}"
-    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. Move the model once "
-            "(`model.to(device)`), move every batch (`x = x.to(device)`), and create new tensors inside "
-            "`forward` with `device=x.device`."}
+    fix = made_in_forward(facts, "`model.to(device)`", "device=x.device") or (
+        "Move the model once (`model.to(device)`), move every batch (`x = x.to(device)`), and create new "
+        "tensors inside `forward` with `device=x.device`.")
+    return {**culprit_fields(facts.made_site), "summary": summary,
+            "hint": f"{summary}{': ' + named if named else ''}. {fix}"}
 
 
 # -- indices -----------------------------------------------------------------------------------

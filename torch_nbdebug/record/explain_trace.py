@@ -8,11 +8,9 @@ lists, tuples and dicts. No property, ``__getattr__`` or ``__getitem__`` of the 
 from __future__ import annotations
 
 import ast
-import inspect
 import linecache
 import os
 import re
-import sys
 import types
 from collections import ChainMap
 from typing import Any, Iterator, Mapping, Optional
@@ -22,14 +20,15 @@ from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
 from torch_nbdebug.record.compat import node_sequence_nr
+from torch_nbdebug.record.explain_frames import (Frames, assignment_site, loss_facts, made_in_forward, module_locals, module_of,
+                                                 user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
-from torch_nbdebug.record.source import frame_locals, is_user_file, line_of
+from torch_nbdebug.record.source import is_user_file, line_of
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _MISSING = object()
 _BACKWARD = re.compile(r"([\w.\[\]'\"]+)\s*\.backward\(|autograd\.(?:backward|grad)\(\s*([\w.\[\]'\"]+)")
 _MAX_NODES = 20_000
-Frames = list[tuple[types.FrameType, int]]
 
 
 def frames_of(exc: BaseException) -> Frames:
@@ -55,6 +54,8 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     if namespace is None:
         namespace = _user_globals(frames)
     names = qualified_names(module_roots(namespace))
+    made = module_locals(frames, names)  # modules a forward made for itself: ``model.proj``
+    names.update(made)
     operands = tuple(_operands(frames, names, user))
     facts: dict[str, Any] = dict(exc_type=type(exc).__name__, message=str(exc),
                                  from_torch=_from_torch(exc, frames, user, operands), operands=operands)
@@ -63,30 +64,17 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
         facts.update(_index_facts(frames, facts.get("call", "")))
     if "inplace operation" in facts["message"] and not facts.get("inplace_modules"):
         facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
-    facts.update(_loss_facts(frames))
+    facts.update(loss_facts(frames))
+    facts["module_made_in_forward"] = facts.get("module", "") in made.values()
+    if user is not None:
+        facts["made_in_forward"] = made_in_forward(user[0], tuple(o.name for o in operands))
+    made_var = facts["module"].rpartition(".")[2] if facts["module_made_in_forward"] else \
+        (facts["made_in_forward"] or ("",))[0]
+    if made_var:
+        facts["made_site"] = assignment_site(frames, names, made_var)
     if user is not None:
         facts.update(_backward_facts(user[0], facts.get("line", ""), namespace, old_graph_before, backward_root))
     return FailureFacts(**facts)
-
-
-# Losses that compare an input and a target of the same shape (not class-index losses like cross_entropy).
-_SAME_SHAPE_LOSSES = frozenset({
-    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss", "gaussian_nll_loss",
-    "multilabel_soft_margin_loss"})
-
-
-def _loss_facts(frames: Frames) -> dict[str, Any]:
-    """The same-shape loss of ``torch.nn.functional`` the error came through, with its input's and
-    target's shapes (from that finished frame's arguments)."""
-    for frame, _ in frames:
-        code = frame.f_code
-        if code.co_name in _SAME_SHAPE_LOSSES and code.co_filename.startswith(_TORCH_DIR):
-            local = _locals(frame)
-            shapes = tuple(tuple(t.shape) for t in (local.get("input"), local.get("target"))
-                           if isinstance(t, torch.Tensor))
-            return {"loss": code.co_name, "loss_shapes": shapes if len(shapes) == 2 else ()}
-    return {}
 
 
 def _user_globals(frames: "Frames") -> Mapping[str, Any]:
@@ -113,7 +101,7 @@ def _where_facts(frames: Frames, user: Optional[tuple[types.FrameType, int]], na
             _last_call(line_of(frames[-1][0].f_code.co_filename, frames[-1][1]).text)
         if facts["call"].endswith(("Error", "Exception")):  # ``raise ValueError(...)``: the function raising
             facts["call"] = frames[-1][0].f_code.co_name
-    modules = [m for m in (_module_of(f) for f, _ in frames) if m is not None]
+    modules = [m for m in (module_of(f) for f, _ in frames) if m is not None]
     if modules:
         module = modules[-1]
         facts.update(module=names.get(id(module), type(module).__name__.lower()),
@@ -138,36 +126,6 @@ def _from_torch(exc: BaseException, frames: Frames, user: Optional[tuple[types.F
         return False
     text = line_of(user[0].f_code.co_filename, user[1]).text
     return bool(operands) and not text.startswith("raise")
-
-
-def _locals(frame: types.FrameType) -> Mapping[str, Any]:
-    """A frame's locals: the real objects, so operands are told apart by identity.
-
-    A function frame that is still running (the ``with explain()`` block's, the cell's caller) is read
-    with :func:`frame_locals`: up to Python 3.12 a plain ``f_locals`` read would attach a snapshot
-    to the frame that keeps every local alive until the function returns, even after the user deletes
-    it; the copy returned lives only as long as the scan using it. Finished frames (the traceback
-    below the handler) and module-level code (a notebook cell, whose locals are its globals) are read
-    directly.
-    """
-    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-        return frame.f_locals
-    running = sys._getframe(1)
-    while running is not None:
-        if running is frame:
-            local = frame_locals(frame)
-            return {} if local is None else local
-        running = running.f_back
-    return frame.f_locals
-
-
-def _module_of(frame: types.FrameType) -> Optional[nn.Module]:
-    """The module whose ``forward`` this frame runs (its first argument, whatever it is called)."""
-    code = frame.f_code
-    if code.co_name != "forward" or code.co_argcount == 0:
-        return None
-    me = _locals(frame).get(code.co_varnames[0])
-    return me if isinstance(me, nn.Module) else None
 
 
 _IGNORED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # torch_nbdebug's own
@@ -248,7 +206,7 @@ def _operands(frames: Frames, names: dict[int, str], user: Optional[tuple[types.
         chosen.append(frames[-1])
     count = 0
     for frame, lineno in chosen:
-        me = _module_of(frame)
+        me = module_of(frame)
         prefix = names.get(id(me), "") if me is not None else ""
         own = frame.f_code.co_varnames[0] + "." if me is not None else ""
         for expr, value in _line_values(frame, lineno):
@@ -272,7 +230,7 @@ def describe_tensor(name: str, value: torch.Tensor) -> Operand:
 def _line_values(frame: types.FrameType, lineno: int) -> Iterator[tuple[str, Any]]:
     text = line_of(frame.f_code.co_filename, lineno).text
     for expr in operand_expressions(text):
-        value = safe_eval(expr, _locals(frame), frame.f_globals)
+        value = safe_eval(expr, user_locals(frame), frame.f_globals)
         if value is not _MISSING:
             yield expr, value
 
@@ -337,9 +295,9 @@ def _static_attr(obj: Any, name: str) -> Any:
 
 # -- model, index and backward facts -----------------------------------------------------------
 def _model_facts(root: nn.Module, frames: Frames, names: dict[int, str]) -> dict[str, Any]:
-    frame = next(f for f, _ in frames if _module_of(f) is root)
+    frame = next(f for f, _ in frames if module_of(f) is root)
     varnames = frame.f_code.co_varnames[1:frame.f_code.co_argcount]
-    first = _locals(frame).get(varnames[0]) if varnames else None
+    first = user_locals(frame).get(varnames[0]) if varnames else None
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in root.modules())
     inplace = _inplace_modules([("", root)], names)
@@ -357,7 +315,7 @@ def _index_facts(frames: Frames, call: str) -> dict[str, Any]:
     """The out-of-range value and the size it had to stay below, from the failing frame's tensors."""
     if not frames:
         return {}
-    local = _locals(frames[-1][0])
+    local = user_locals(frames[-1][0])
     tensors = [v for v in local.values() if isinstance(v, torch.Tensor) and v.layout == torch.strided]
     index = next((t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool and t.numel()), None)
     data = next((t for t in tensors if t.is_floating_point() and t.dim() > 0), None)
@@ -377,7 +335,7 @@ def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, A
     if match is None:
         return {}
     expr = match.group(1) or match.group(2)
-    root = known_root if known_root is not None else safe_eval(expr, _locals(frame), frame.f_globals)
+    root = known_root if known_root is not None else safe_eval(expr, user_locals(frame), frame.f_globals)
     facts: dict[str, Any] = {"backward_of": expr}
     frozen = tuple(name for name, m in module_roots(namespace)
                    if any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters()))
