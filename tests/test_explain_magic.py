@@ -375,3 +375,57 @@ def test_what_a_forward_made_for_itself_is_named_as_the_models(ip: Any, use_proj
         assert "`mask` is made inside `model`'s forward" in d.hint and "device=x.device" in d.hint, d.hint
     assert d.culprit_lineno == 6 + (not use_proj) and d.culprit_filename == d.filename
     ip.user_ns.pop("Made", None)
+
+
+# -- issue 28: graph reuse -------------------------------------------------------------------------
+RNN = """
+class Rnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.RNNCell(4, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x, h):
+        h = self.cell(x, h)
+        return self.out(h), h
+rnn = Rnn()
+x = torch.randn(2, 4)
+h = torch.zeros(2, 8)
+"""
+LOOP_STEP = "    prediction, h = rnn(x, h)\n    loss = prediction.sum()\n    loss.backward()\n"
+
+
+def _clean_rnn(ip: Any) -> None:
+    for name in ("Rnn", "rnn", "prediction", "ex", "loss1", "loss2", "caught", "opt"):
+        ip.user_ns.pop(name, None)
+
+
+def test_graph_reuse_names_the_loop_line_that_carries_the_hidden_state(ip: Any) -> None:
+    ip.run_cell(RNN)
+    d, _ = explain_cell(ip, "for step in range(3):\n" + LOOP_STEP)
+    assert (d.kind, d.lineno, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, 2, "prediction, h = rnn(x, h)")
+    assert d.culprit_module == "" and "`h = h.detach()`" in d.hint and "`rnn.cell`" in d.hint, d.hint
+    _clean_rnn(ip)
+
+
+def test_graph_reuse_under_the_twin_names_the_culprit_though_the_old_graph_came_before_it(ip: Any) -> None:
+    """The first backward ran before the recording began (a step outside it): the line of this step that
+    used the old tensor is still named, and no card asks to run the cell again with %%explain."""
+    ip.run_cell(RNN + "prediction, h = rnn(x, h)\nprediction.sum().backward()\n")
+    cell = ("import torch_nbdebug\ntry:\n    with torch_nbdebug.explain() as ex:\n    " +
+            LOOP_STEP.replace("\n    ", "\n        ") + "except RuntimeError as e:\n    caught = e\n")
+    assert ip.run_cell(cell).success
+    d = ip.user_ns["ex"].diagnosis
+    assert "second time" in str(ip.user_ns["caught"])
+    assert (d.kind, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, "prediction, h = rnn(x, h)"), d.text()
+    assert d.recorded and not d.suggest_record and "%%explain" not in d.text()
+    _clean_rnn(ip)
+
+
+def test_two_losses_of_one_forward_name_the_first_backward(ip: Any) -> None:
+    ip.run_cell(RNN)
+    body = ("out = rnn.out(torch.randn(3, 8))\nloss1, loss2 = out.sum(), (out ** 2).sum()\n"
+            "loss1.backward()\nloss2.backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.lineno, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, 3, "loss1.backward()")
+    assert "`(loss1 + loss2).backward()`" in d.hint and "retain_graph=True" in d.hint
+    _clean_rnn(ip)

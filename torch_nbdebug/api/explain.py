@@ -162,7 +162,8 @@ def _safe_diagnosis(exc: BaseException, namespace: Optional[Mapping[str, Any]],
         del root, names
         recording: Optional[Recording] = None
         if recorder is not None:
-            wanted = tuple(seq for _, seq in facts.freed_nodes) + tuple(o.node_seq for o in facts.operands)
+            wanted = tuple(seq for _, seq in facts.freed_nodes) + facts.freed_users + \
+                tuple(o.node_seq for o in facts.operands)
             recording = recorder.recording(wanted)
             facts = dataclasses.replace(facts, operands=tuple(_producer(o, recording) for o in facts.operands))
         data = diagnose(facts, recording)

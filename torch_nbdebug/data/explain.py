@@ -74,9 +74,18 @@ class Recording:
     cuts: tuple[CutEvent, ...] = ()
     steps: tuple[OptimizerStep, ...] = ()
     sites: tuple[tuple[int, OpSite], ...] = ()  # sequence number -> where that autograd node was made
+    # sequence number -> the user's line outside every forward that led to it (the line calling the model),
+    # where it differs from the site
+    outer: tuple[tuple[int, OpSite], ...] = ()
+    backwards: tuple[OpSite, ...] = ()  # the last two ``.backward()`` calls (the failing one last)
+    repeated_root: bool = False  # those two were called on the same tensor (not two losses of one graph)
 
     def site_of(self, seq: int) -> Optional[OpSite]:
         return next((site for s, site in self.sites if s == seq), None)
+
+    def outer_of(self, seq: int) -> Optional[OpSite]:
+        """The line outside every ``forward`` that led to node ``seq`` (None: the site is that line)."""
+        return next((site for s, site in self.outer if s == seq), None)
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class FailureFacts:
     index_size: Optional[int] = None
     backward_of: str = ""  # the expression ``.backward()`` was called on
     freed_nodes: tuple[tuple[str, int], ...] = ()  # old-graph nodes (name, sequence number) reached
+    freed_users: tuple[int, ...] = ()  # the newer node that reached each of them (sequence number; -1: the root)
     freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place

@@ -342,24 +342,26 @@ def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, A
     facts["frozen_models"] = frozen[:8]
     if isinstance(root, torch.Tensor) and root.grad_fn is not None and old_graph_before is not None:
         old = old_graph_nodes(root.grad_fn, old_graph_before)
-        facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n in old)[:16]
-        facts["freed_root"] = bool(old) and old[0] is root.grad_fn  # the same graph a second time
+        facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n, _ in old)[:16]
+        facts["freed_users"] = tuple(user for _, user in old)[:16]
+        facts["freed_root"] = bool(old) and old[0][0] is root.grad_fn  # the same graph a second time
     return facts
 
 
-def old_graph_nodes(root: Any, before: int) -> list[Any]:
-    """The nodes numbered below ``before`` nearest ``root``: where its graph enters an older one."""
-    found: list[Any] = []
+def old_graph_nodes(root: Any, before: int) -> list[tuple[Any, int]]:
+    """The nodes numbered below ``before`` nearest ``root``, where its graph enters an older one, each
+    with the sequence number of the newer node that reached it (-1 for the root itself)."""
+    found: list[tuple[Any, int]] = []
     seen = {id(root)}
-    todo = [root]
+    todo = [(root, -1)]
     while todo and len(seen) < _MAX_NODES:
-        node = todo.pop()
+        node, user = todo.pop()
         if node_sequence_nr(node) < before and type(node).__name__ != "AccumulateGrad":
-            found.append(node)
+            found.append((node, user))
             continue
         for child, _ in getattr(node, "next_functions", ()):
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
-                todo.append(child)
-    found.sort(key=node_sequence_nr, reverse=True)
+                todo.append((child, node_sequence_nr(node)))
+    found.sort(key=lambda pair: node_sequence_nr(pair[0]), reverse=True)
     return found
