@@ -429,3 +429,33 @@ def test_two_losses_of_one_forward_name_the_first_backward(ip: Any) -> None:
     assert (d.kind, d.lineno, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, 3, "loss1.backward()")
     assert "`(loss1 + loss2).backward()`" in d.hint and "retain_graph=True" in d.hint
     _clean_rnn(ip)
+
+
+# -- issue 28: where the gradient chain was cut -------------------------------------------------------
+@pytest.mark.parametrize("body,culprit_op,line", [
+    ("out = net(x)\nprint(f'{out.sum().item():.3f}')\nloss = torch.tensor(out.sum())\nloss.backward()\n", "tensor", 3),
+    ("out = net(x)\nvals = [o.sum() for o in out]\nloss = torch.tensor(vals).sum()\nloss.backward()\n", "tensor", 3),
+    ("import numpy as np\nout = net(x)\narr = np.tanh(out.detach().numpy())\nloss = torch.from_numpy(arr).sum()\n"
+     "loss.backward()\n", "detach", 3),
+    ("loss = torch.tensor(net(x).sum().item(), requires_grad=False)\nloss.backward()\n", "item", 1),
+])
+def test_no_grad_names_the_cut_of_a_rewrap_or_a_numpy_round_trip(ip: Any, body: str, culprit_op: str,
+                                                                   line: int) -> None:
+    ip.run_cell("net = Gate()\nx = torch.randn(2, 4)")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_op, d.culprit_lineno) == ("no_grad", culprit_op, line), d.text()
+    assert d.culprit_line == body.splitlines()[line - 1]
+    ip.user_ns.pop("vals", None)
+    ip.user_ns.pop("arr", None)
+
+
+@pytest.mark.parametrize("call,x", [("net", "torch.randn(2, 4)"), ("model.features", "torch.randn(2, 3, 8, 8)")])
+def test_no_grad_names_the_line_that_called_a_frozen_module(ip: Any, call: str, x: str) -> None:
+    """A frozen model, or the frozen backbone of a model whose head trains."""
+    ip.run_cell(f"net = Gate()\nfor p in {call}.parameters():\n    p.requires_grad_(False)\nx = {x}")
+    body = f"print({call}(x).sum().item())\nfeats = {call}(x)\nloss = feats.sum()\nloss.backward()\n"
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_module, d.culprit_lineno) == ("no_grad", call, 2), d.text()
+    assert f"every parameter of `{call}` has `requires_grad=False`" in d.hint and "nothing trains" in d.warning
+    ip.user_ns.pop("feats", None)
+    ip.run_cell("for p in model.parameters():\n    p.requires_grad_(True)")

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 
 Kind = Literal["shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other"]
 KINDS: tuple[str, ...] = ("shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other")
-CutHow = Literal["no_grad", "detach", "data", "item", "numpy", "tolist"]
+CutHow = Literal["no_grad", "detach", "data", "item", "numpy", "tolist", "tensor"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ class FailureFacts:
     freed_users: tuple[int, ...] = ()  # the newer node that reached each of them (sequence number; -1: the root)
     freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
+    frozen_call: Optional[OpSite] = None  # the nearest line above the failing one calling a frozen module
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
     module_made_in_forward: bool = False  # ``module`` was made inside its owner's forward (never moved by .to())
     made_in_forward: tuple[str, ...] = ()  # operands the running forward made from nothing (``torch.ones(...)``)

@@ -337,13 +337,25 @@ def carried_name(line: str) -> str:
 
 _CUT_TEXT = {"no_grad": "ran under `torch.no_grad()`/`inference_mode()`", "detach": "`.detach()` cut the chain",
              "data": "`.data` cut the chain", "item": "`.item()` made a Python number",
-             "numpy": "`.numpy()` left autograd", "tolist": "`.tolist()` made Python numbers"}
+             "numpy": "`.numpy()` left autograd", "tolist": "`.tolist()` made Python numbers",
+             "tensor": "`torch.tensor(...)` copied the values into a new tensor without their history (use the "
+                       "tensor itself, or `torch.stack`/`torch.cat` to combine several)"}
+_STRONG_CUTS = ("no_grad", "detach", "data", "tensor")  # always cut; `.item()` and friends are often just logging
 
 
 def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
     root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
     cut = _cut(rec)
     frozen = ", ".join(f"`{f}`" for f in facts.frozen_models)
+    if facts.frozen_call is not None and (cut is None or cut.how not in _STRONG_CUTS):
+        call = facts.frozen_call
+        return {**culprit_fields(call),
+                "summary": f"`{call.module}` at {_where(call)} has no parameter that requires grad",
+                "hint": f"{root} comes from `{call.module}` at {_where(call)}, and every parameter of "
+                        f"`{call.module}` has `requires_grad=False`, so its output has no gradient chain. Unfreeze "
+                        f"what should train (`for p in {call.module}.parameters(): p.requires_grad_(True)`), or "
+                        f"compute the loss through a module that trains.",
+                "warning": REQUIRES_GRAD_WARNING}
     if cut is not None:
         where = _where(cut.site)
         also = f" Also, no parameter of {frozen} requires grad." if frozen else ""
@@ -367,7 +379,7 @@ def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
 def _cut(rec: Optional[Recording]) -> Optional[CutEvent]:
     if rec is None or not rec.cuts:
         return None
-    strong = [c for c in rec.cuts if c.how in ("no_grad", "detach", "data")]
+    strong = [c for c in rec.cuts if c.how in _STRONG_CUTS]
     return (strong or list(rec.cuts))[-1]
 
 

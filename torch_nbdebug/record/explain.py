@@ -31,7 +31,8 @@ from torch_nbdebug.record.source import is_user_code, line_of
 
 _MAX_SITES = 100_000  # spans of about 200 bytes: at most ~20 MB; the oldest half is dropped past it
 _MAX_INPLACE = 10_000
-_CUTS = {"detach": "detach", "item": "item", "numpy": "numpy", "tolist": "tolist", "__get__": "data"}
+_CUTS = {"detach": "detach", "item": "item", "numpy": "numpy", "tolist": "tolist", "__get__": "data",
+         "tensor": "tensor"}  # torch.tensor(t): a copy with no history
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__ifloordiv__"}
 _Where = tuple[str, int]
@@ -111,7 +112,10 @@ class _ExplainMode(TorchFunctionMode):
             rec.backward_called(args, sys._getframe(2))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+        source = args[0] if args else None
+        if kind[0] == "tensor" and isinstance(source, (list, tuple)):  # torch.tensor([a, b]) of 0-d tensors
+            source = next((t for t in source if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if isinstance(source, torch.Tensor) and source.requires_grad:
             rec.cut(kind[0], kind[1], sys._getframe(2))
         return out
 

@@ -71,6 +71,21 @@ def assignment_site(frames: Frames, names: dict[int, str], var: str) -> Optional
     return None
 
 
+def call_site(frame: types.FrameType, lineno: int, callees: tuple[str, ...]) -> Optional[OpSite]:
+    """The nearest line at or above ``lineno`` in ``frame``'s code that calls one of ``callees``
+    (``net(x)``, ``model.backbone(x)``): where a frozen module's output entered the computation."""
+    if not callees:
+        return None
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(c) for c in callees) + r")\s*\(")
+    filename = frame.f_code.co_filename
+    for n in range(lineno, max(frame.f_code.co_firstlineno, 1) - 1, -1):
+        text = line_of(filename, n).text
+        match = pattern.search(text)
+        if match and not text.lstrip().startswith(("#", "for ", "def ")):
+            return OpSite(op=match.group(1), module=match.group(1), filename=filename, lineno=n, line=text)
+    return None
+
+
 def module_locals(frames: Frames, names: dict[int, str]) -> dict[int, str]:
     """Names for the modules a ``forward`` made for itself (``proj = nn.Linear(4, 4)`` inside it, so
     ``model.to(device)`` never reached them), as the model's: ``model.proj``. Read from the local

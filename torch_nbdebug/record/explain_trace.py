@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
 from torch_nbdebug.record.compat import node_sequence_nr
-from torch_nbdebug.record.explain_frames import (Frames, assignment_site, loss_facts, made_in_forward, module_locals, module_of,
+from torch_nbdebug.record.explain_frames import (Frames, assignment_site, call_site, loss_facts, made_in_forward, module_locals, module_of,
                                                  user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
 from torch_nbdebug.record.source import is_user_file, line_of
@@ -73,7 +73,8 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     if made_var:
         facts["made_site"] = assignment_site(frames, names, made_var)
     if user is not None:
-        facts.update(_backward_facts(user[0], facts.get("line", ""), namespace, old_graph_before, backward_root))
+        facts.update(_backward_facts(user[0], user[1], facts.get("line", ""), namespace, old_graph_before,
+                                     backward_root))
     return FailureFacts(**facts)
 
 
@@ -329,7 +330,13 @@ def _index_facts(frames: Frames, call: str) -> dict[str, Any]:
         return {"index_value": int(bad.flatten()[0].item()), "index_size": int(size)}
 
 
-def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, Any],
+def _frozen(module: nn.Module) -> bool:
+    """Whether a module has parameters and none of them requires grad."""
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _backward_facts(frame: types.FrameType, line_number: int, line: str, namespace: Mapping[str, Any],
                     old_graph_before: Optional[int], known_root: Optional[torch.Tensor]) -> dict[str, Any]:
     match = _BACKWARD.search(line)
     if match is None:
@@ -337,9 +344,12 @@ def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, A
     expr = match.group(1) or match.group(2)
     root = known_root if known_root is not None else safe_eval(expr, user_locals(frame), frame.f_globals)
     facts: dict[str, Any] = {"backward_of": expr}
-    frozen = tuple(name for name, m in module_roots(namespace)
-                   if any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters()))
+    roots = module_roots(namespace)
+    frozen = tuple(name for name, m in roots if _frozen(m))
     facts["frozen_models"] = frozen[:8]
+    parts = tuple(f"{name}.{sub}" for name, m in roots if name not in frozen
+                  for sub, child in m.named_children() if _frozen(child))  # a frozen backbone of a model
+    facts["frozen_call"] = call_site(frame, line_number, (frozen + parts)[:32])
     if isinstance(root, torch.Tensor) and root.grad_fn is not None and old_graph_before is not None:
         old = old_graph_nodes(root.grad_fn, old_graph_before)
         facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n, _ in old)[:16]
