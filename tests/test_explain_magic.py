@@ -459,3 +459,35 @@ def test_no_grad_names_the_line_that_called_a_frozen_module(ip: Any, call: str, 
     assert f"every parameter of `{call}` has `requires_grad=False`" in d.hint and "nothing trains" in d.warning
     ip.user_ns.pop("feats", None)
     ip.run_cell("for p in model.parameters():\n    p.requires_grad_(True)")
+
+
+# -- issue 28: in-place culprits that are not the user's `x += ...` ----------------------------------
+def test_an_optimizer_step_before_backward_names_the_step_line_and_the_weight(ip: Any) -> None:
+    body = ("net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))\n"
+            "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+            "out = net(torch.randn(8, 4))\n"
+            "out.mean().backward(retain_graph=True)\n"
+            "opt.step()\n"
+            "(out ** 2).mean().backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "SGD.step", 5, "opt.step()")
+    assert "`net.1.weight`" in d.summary and "`net.1.weight`" in d.hint, d.text()
+    ip.user_ns.pop("opt", None)
+
+
+def test_a_slice_assignment_into_a_tensor_a_later_op_saved_is_named(ip: Any) -> None:
+    ip.run_cell("class Unroll(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.cell = nn.Linear(4, 4)\n"
+                "    def forward(self, x):\n"
+                "        h = torch.zeros(2, 3, 4)\n"
+                "        for t in range(1, 3):\n"
+                "            h[:, t] = torch.tanh(self.cell(h[:, t - 1] * x))\n"
+                "        return h\n"
+                "net = nn.Sequential(nn.Linear(4, 4), Unroll())\n")
+    d, _ = explain_cell(ip, "loss = net(torch.randn(2, 4)).sum()\nloss.backward()\n")
+    assert (d.kind, d.culprit_op, d.culprit_module) == ("inplace", "__setitem__", "net.1"), d.text()
+    assert (d.culprit_lineno, d.culprit_line) == (8, "h[:, t] = torch.tanh(self.cell(h[:, t - 1] * x))")
+    assert "torch.stack" in d.hint
+    ip.user_ns.pop("Unroll", None)

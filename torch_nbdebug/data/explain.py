@@ -114,6 +114,8 @@ class FailureFacts:
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
     frozen_call: Optional[OpSite] = None  # the nearest line above the failing one calling a frozen module
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
+    # parameters of the namespace's models that were modified in place (name, shape, version counter)
+    param_versions: tuple[tuple[str, tuple[int, ...], int], ...] = ()
     module_made_in_forward: bool = False  # ``module`` was made inside its owner's forward (never moved by .to())
     made_in_forward: tuple[str, ...] = ()  # operands the running forward made from nothing (``torch.ones(...)``)
     made_site: Optional[OpSite] = None  # the line of that forward that made it (``proj = nn.Linear(4, 4)``)

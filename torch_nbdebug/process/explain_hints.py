@@ -224,9 +224,12 @@ def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
     step = _optimizer_step(rec, shape) if event is None and rec is not None else None
     if step is not None:
         by = f"`{step.site.op}()` at {_where(step.site)}"
+        wanted = {shape, tuple(reversed(shape))}
+        params = [n for n, s, v in facts.param_versions if s in wanted and v == version][:3]
+        weight = " and ".join(f"`{n}`" for n in params) or "a parameter"
         return {**culprit_fields(step.site),
-                "summary": f"{by} updated a parameter in place that this backward still needs",
-                "hint": f"{saved} is a parameter (or a view of one) saved by the forward pass; {by} updated "
+                "summary": f"{by} updated {weight} in place, which this backward still needs",
+                "hint": f"{saved} is {weight} (or a view of it) saved by the forward pass; {by} updated "
                         f"the parameters in place before this backward ran (version {version}). Call "
                         "backward() for every loss of that forward before `step()` (sum the losses, or "
                         "order them), or run the forward again after the step."}
@@ -237,6 +240,9 @@ def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
                 "suggest_record": True,
                 "hint": f"{saved} was saved for backward and later modified in place (version {version}).{guess} "
                         f"Fix: {never}."}
+    if event.site.op == "__setitem__":
+        never = ("collect the pieces in a Python list and `torch.stack`/`torch.cat` them once, instead of "
+                 "assigning into slices of a tensor that earlier steps read (or assign into a `.clone()`)")
     saver = rec.site_of(event.node_seq) if rec is not None else None
     by = f"`{event.site.op}` at {_where(event.site)}"
     made = f"`{saver.op}` at {_where(saver)}" if saver is not None else f"{node}"
@@ -256,7 +262,17 @@ def _modifier(rec: Recording, node: str, version: int, shape: tuple[int, ...]) -
     name = re.sub(r"Backward\d*$", "", node)
     found = [e for e in rec.inplace if re.sub(r"Backward\d*$", "", e.node) == name and e.version == version]
     exact = [e for e in found if e.shape == shape] or found
-    return exact[-1] if exact else None
+    if exact:
+        return exact[-1]
+    # A view was saved (``h[:, t - 1]`` into a matmul: "output 0 of AsStrided"): the in-place op that
+    # brought the tensor it views to this version (``h[:, t] = out``).
+    views = [e for e in rec.inplace if e.version == version and len(e.shape) > len(shape)
+             and math.prod(e.shape) > math.prod(shape) and e.site.op in _WRITES_INTO]
+    return views[-1] if views else None
+
+
+_WRITES_INTO = ("__setitem__", "copy_", "index_copy_", "index_put_", "masked_fill_", "masked_scatter_", "scatter_",
+                "fill_", "zero_")
 
 
 def graph_reuse(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.data.explain import CutEvent, InplaceEvent, OpSite, OptimizerStep, Recording
 from torch_nbdebug.record.compat import (function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
-                                         pop_function_mode, push_function_mode)
+                                         pop_function_mode, push_function_mode, tensor_version)
 from torch_nbdebug.record.explain_indices import check_index_arguments
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
@@ -243,11 +243,15 @@ class ExplainRecorder:
         base = target._base if target._is_view() else None
         if base is not None and base.grad_fn is not None:
             node = base.grad_fn
+        # A tensor outside autograd that gets a value requiring grad (``h[:, t] = out`` into zeros) is
+        # recorded too: a later op may save a view of it, and the next assignment is then the culprit.
+        grows = node is None and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
         out = func(*args, **kwargs)
-        if node is not None:
+        if node is not None or grows:
             where = _user_where(frame)
-            self.inplace.append((name, self.tracker.current or "", where, target._version,
-                                 tuple(target.shape), type(node).__name__, node_sequence_nr(node)))
+            self.inplace.append((name, self.tracker.current or "", where, tensor_version(target),
+                                 tuple(target.shape), type(node).__name__ if node is not None else "",
+                                 node_sequence_nr(node) if node is not None else -1))
             if len(self.inplace) > _MAX_INPLACE:
                 del self.inplace[: _MAX_INPLACE // 2]
         return out

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
-from torch_nbdebug.record.compat import node_sequence_nr
+from torch_nbdebug.record.compat import node_sequence_nr, tensor_version
 from torch_nbdebug.record.explain_frames import (Frames, assignment_site, call_site, loss_facts, made_in_forward, module_locals, module_of,
                                                  user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
@@ -62,8 +62,10 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     facts.update(_where_facts(frames, user, names, _lasti_of(exc, frames[-1][0]) if frames else -1))
     if _INDEX_MESSAGE.search(str(exc)) and "CUDA error" not in str(exc):  # after an assert, no kernel may run
         facts.update(_index_facts(frames, facts.get("call", "")))
-    if "inplace operation" in facts["message"] and not facts.get("inplace_modules"):
-        facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
+    if "inplace operation" in facts["message"]:
+        if not facts.get("inplace_modules"):
+            facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
+        facts["param_versions"] = _param_versions(module_roots(namespace))
     facts.update(loss_facts(frames))
     facts["module_made_in_forward"] = facts.get("module", "") in made.values()
     if user is not None:
@@ -303,6 +305,13 @@ def _model_facts(root: nn.Module, frames: Frames, names: dict[int, str]) -> dict
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in root.modules())
     inplace = _inplace_modules([("", root)], names)
     return {"model_input": shape, "model_has_conv": has_conv, "inplace_modules": inplace}
+
+
+def _param_versions(roots: list[tuple[str, nn.Module]]) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """The parameters modified in place (an optimizer's step), by name, with shape and version counter."""
+    found = [(f"{root}.{name}", tuple(p.shape), tensor_version(p)) for root, module in roots
+             for name, p in module.named_parameters()]
+    return tuple(f for f in found if f[2] > 0)[:512]
 
 
 def _inplace_modules(roots: list[tuple[str, nn.Module]], names: dict[int, str]) -> tuple[str, ...]:
