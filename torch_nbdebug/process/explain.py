@@ -8,8 +8,9 @@ from typing import Callable, Optional
 
 from torch_nbdebug.data.explain import Diagnosis, FailureFacts, Kind, Recording
 from torch_nbdebug.process.explain_hints import (
-    bmm_hint, broadcast_hint, cat_hint, conv_channels_hint, conv_rank_hint, device_hint, dtype_hint, graph_reuse,
-    inplace, loss_size_hint, matmul_hint, no_grad, target_dtype_hint, view_hint)
+    bmm_hint, broadcast_hint, cat_hint, conv_channels_hint, conv_rank_hint, device_hint, dtype_hint, inplace,
+    loss_size_hint, matmul_hint, no_grad, target_dtype_hint, view_hint)
+from torch_nbdebug.process.explain_graph_reuse import graph_reuse
 from torch_nbdebug.process.explain_indices import index_dtype_hint, index_hint
 
 Hint = Callable[["re.Match[str]", FailureFacts, Optional[Recording]], dict[str, object]]
