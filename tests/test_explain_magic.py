@@ -491,3 +491,30 @@ def test_a_slice_assignment_into_a_tensor_a_later_op_saved_is_named(ip: Any) -> 
     assert (d.culprit_lineno, d.culprit_line) == (8, "h[:, t] = torch.tanh(self.cell(h[:, t - 1] * x))")
     assert "torch.stack" in d.hint
     ip.user_ns.pop("Unroll", None)
+
+
+def test_explain_never_switches_grad_mode_itself(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grad-mode switch of the tool's own is a place where a Stop can leave autograd off for the rest of
+    the kernel: %%explain (with --check-indices) and its post-mortem reading make none."""
+    import sys
+
+    import torch
+
+    switches: list[str] = []
+    real = torch._C._set_grad_enabled
+
+    def spy(mode: bool) -> None:
+        frame = sys._getframe(1)
+        for _ in range(4):  # set_grad_enabled, no_grad.__enter__/__exit__, then whoever switched
+            if frame is None:
+                break
+            if "/torch_nbdebug/" in frame.f_code.co_filename.replace("\\", "/"):
+                switches.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        real(mode)
+
+    monkeypatch.setattr(torch._C, "_set_grad_enabled", spy)
+    body = "emb = nn.Embedding(5, 3)\ntokens = torch.tensor([[1, 7]])\nout = emb(tokens)\n"
+    explain_cell(ip, body, "--check-indices")
+    explain_cell(ip, body)
+    assert switches == []

@@ -332,11 +332,10 @@ def _index_facts(frames: Frames, call: str) -> dict[str, Any]:
     if index is None or data is None or index.device.type == "meta":
         return {}
     size = data.shape[1] if call in {"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"} and data.dim() > 1 else data.shape[0]
-    with torch.no_grad():
-        bad = index[(index < 0) | (index >= size)]
-        if bad.numel() == 0:
-            return {}
-        return {"index_value": int(bad.flatten()[0].item()), "index_size": int(size)}
+    bad = index[(index < 0) | (index >= size)]  # an integer index: no autograd, no grad-mode switch needed
+    if bad.numel() == 0:
+        return {}
+    return {"index_value": int(bad.flatten()[0].item()), "index_size": int(size)}
 
 
 def _frozen(module: nn.Module) -> bool:
