@@ -88,6 +88,8 @@ def _shown(tb: Any, offset: int = 0) -> Any:
         tb = tb.tb_next
     ours = [_hidden_ours(t.tb_frame) for t in entries]
     magic = next((i for i, t in enumerate(entries) if ours[i] and _is_magic(t.tb_frame)), None)
+    if magic is not None and not any(t.tb_frame.f_code.co_name == "run_cell_magic" for t in entries[:magic]):
+        magic = None  # a line magic: the cell's line that called it is the user's own
     drop = set(range(offset, magic or 0))
     if magic is not None:  # the frames our watch's global module hooks add to every module call
         drop.update(i for i in range(magic, len(entries)) if _is_hook_runner(entries[i].tb_frame))
