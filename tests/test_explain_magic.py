@@ -357,6 +357,15 @@ class Made(nn.Module):
         proj = nn.Linear(4, 4)
         mask = torch.ones(2, 4)
         return proj(self.fc(x)) if self.use_proj else self.fc(x) * mask
+
+class Lazy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(4, 2)
+        return self.head(self.fc(x))
 """
 
 
@@ -374,6 +383,16 @@ def test_what_a_forward_made_for_itself_is_named_as_the_models(ip: Any, use_proj
         assert d.module == "model" and (d.culprit_module, d.culprit_line) == ("model", "mask = torch.ones(2, 4)")
         assert "`mask` is made inside `model`'s forward" in d.hint and "device=x.device" in d.hint, d.hint
     assert d.culprit_lineno == 6 + (not use_proj) and d.culprit_filename == d.filename
+    ip.user_ns.pop("Made", None)
+
+
+def test_a_submodule_a_forward_registers_after_to_is_named_with_its_line(ip: Any) -> None:
+    ip.run_cell(MADE_IN_FORWARD + "model = Lazy().to('meta')\n")
+    d, _ = explain_cell(ip, "out = model(torch.randn(2, 4, device='meta'))\n")
+    assert (d.kind, d.module, d.culprit_module) == ("device", "model.head", "model"), d.text()
+    assert (d.culprit_lineno, d.culprit_line) == (16, "self.head = nn.Linear(4, 2)")
+    assert "create it once in `__init__` (`self.head = ...`)" in d.hint and "anew" not in d.hint
+    ip.user_ns.pop("Lazy", None)
     ip.user_ns.pop("Made", None)
 
 

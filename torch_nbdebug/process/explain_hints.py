@@ -190,8 +190,11 @@ def made_in_forward(facts: FailureFacts, mover: str, keyword: str) -> str:
     """The fix when the odd one out was made inside a ``forward`` (``mover`` never reached it), else ''."""
     if facts.module_made_in_forward:
         owner, _, var = facts.module.rpartition(".")
-        return (f"`{facts.module}` is made inside `{owner}`'s forward, so {mover} never reaches it (and it is "
-                f"made anew, untrained, at every call): create it once in `__init__` (`self.{var} = ...`).")
+        site = facts.made_site
+        local = site is None or "." not in site.line.split("=")[0]  # ``proj = ...``, not ``self.proj = ...``
+        anew = " (and it is made anew, untrained, at every call)" if local else " (it did not exist yet)"
+        return (f"`{facts.module}` is made inside `{owner}`'s forward, so {mover} never reaches it{anew}: "
+                f"create it once in `__init__` (`self.{var} = ...`).")
     if facts.made_in_forward:
         names = ", ".join(f"`{n}`" for n in facts.made_in_forward)
         return (f"{names} {'is' if len(facts.made_in_forward) == 1 else 'are'} made inside "

@@ -50,15 +50,16 @@ def module_of(frame: types.FrameType) -> Optional[nn.Module]:
     return me if isinstance(me, nn.Module) else None
 
 
-def assignment_site(frames: Frames, names: dict[int, str], var: str) -> Optional[OpSite]:
-    """Where a module's ``forward`` in the traceback assigned the local ``var`` (the innermost such
-    forward): the line that made a module or tensor for itself, read from the source above the line
-    that was running."""
-    pattern = re.compile(rf"^\s*{re.escape(var)}\s*(?::[^=]*)?=(?!=)\s*(.*)")
+def assignment_site(frames: Frames, names: dict[int, str], var: str, owner: str = "") -> Optional[OpSite]:
+    """Where a module's ``forward`` in the traceback assigned ``var`` (the innermost such forward): the line
+    that made a module or tensor for itself, read from the source above the line that was running. With
+    ``owner`` (a module's name), ``var`` is an attribute its forward assigned (``self.head = ...``)."""
     for frame, lineno in reversed(frames):
         me = module_of(frame)
-        if me is None or var not in user_locals(frame):
+        if me is None or (names.get(id(me), "") != owner if owner else var not in user_locals(frame)):
             continue
+        target = f"{frame.f_code.co_varnames[0]}.{var}" if owner else var
+        pattern = re.compile(rf"^\s*{re.escape(target)}\s*(?::[^=]*)?=(?!=)\s*(.*)")
         filename = frame.f_code.co_filename
         for n in range(lineno, frame.f_code.co_firstlineno, -1):
             text = line_of(filename, n).text
@@ -84,6 +85,19 @@ def call_site(frame: types.FrameType, lineno: int, callees: tuple[str, ...]) -> 
         if match and not text.lstrip().startswith(("#", "for ", "def ")):
             return OpSite(op=match.group(1), module=match.group(1), filename=filename, lineno=n, line=text)
     return None
+
+
+def made_facts(frames: Frames, names: dict[int, str], module: str, made: dict[int, str],
+                tensors: tuple[str, ...]) -> dict[str, Any]:
+    """Whether the failing module was made by a forward (a local, or ``self.head = ...`` there, after
+    ``model.to(device)`` ran), or an operand was: the line that made it."""
+    owner, _, attr = module.rpartition(".")
+    if module and module in made.values():
+        return {"module_made_in_forward": True, "made_site": assignment_site(frames, names, attr)}
+    site = assignment_site(frames, names, attr, owner=owner) if owner else None
+    if site is not None:
+        return {"module_made_in_forward": True, "made_site": site}
+    return {"made_site": assignment_site(frames, names, tensors[0])} if tensors else {}
 
 
 def module_locals(frames: Frames, names: dict[int, str]) -> dict[int, str]:

@@ -20,8 +20,8 @@ from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
 from torch_nbdebug.record.compat import node_sequence_nr, tensor_version
-from torch_nbdebug.record.explain_frames import (Frames, assignment_site, call_site, loss_facts, made_in_forward, module_locals, module_of,
-                                                 user_locals)
+from torch_nbdebug.record.explain_frames import (Frames, call_site, loss_facts, made_facts, made_in_forward,
+                                                 module_locals, module_of, user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
 from torch_nbdebug.record.source import is_user_file, line_of
 
@@ -67,13 +67,9 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
             facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
         facts["param_versions"] = _param_versions(module_roots(namespace))
     facts.update(loss_facts(frames))
-    facts["module_made_in_forward"] = facts.get("module", "") in made.values()
     if user is not None:
         facts["made_in_forward"] = made_in_forward(user[0], tuple(o.name for o in operands))
-    made_var = facts["module"].rpartition(".")[2] if facts["module_made_in_forward"] else \
-        (facts["made_in_forward"] or ("",))[0]
-    if made_var:
-        facts["made_site"] = assignment_site(frames, names, made_var)
+    facts.update(made_facts(frames, names, facts.get("module", ""), made, facts.get("made_in_forward", ())))
     if user is not None:
         facts.update(_backward_facts(user[0], user[1], facts.get("line", ""), namespace, old_graph_before,
                                      backward_root))
