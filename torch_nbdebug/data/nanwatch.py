@@ -27,6 +27,12 @@ Cause = Literal[
     "log_of_zero_probability",  # log of probabilities that underflowed to 0 (kl_div, entropy)
     "adam_eps_underflow",       # Adam's eps rounds to 0 in float16: 0/0 in the update
     "repeated_eigenvalues",     # eigh/svd backward divides by differences of equal eigenvalues
+    "overflow",                 # values so large for their dtype that squares (a variance, a norm) or sums overflowed
+    "minus_inf_flipped",        # an intentional -inf (a mask) turned into +inf (-(-inf): label smoothing's sum of log p)
+    "eps_rounds_to_zero",       # a small constant (``eps``) rounds to 0 in float16/bfloat16: 0/0 (``eps``)
+    "logvar_exp",               # exp of a large log-variance (a VAE's std = exp(0.5 * logvar)): clamp it
+    "handwritten_softplus",     # log(1 + exp(x)) written by hand (softplus, mish): exp overflows; F.softplus
+    "zero_gradient_update",     # an adaptive step with eps=0 where the gradient is 0: 0/0, whatever the lr
 ]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "input")
 KINDS: tuple[Kind, ...] = ("nan", "inf")

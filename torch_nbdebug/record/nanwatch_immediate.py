@@ -98,8 +98,9 @@ class ImmediateChecks:
 
 
 def _confirmed(t: torch.Tensor, total: float) -> float:
-    """The input's propagating sum, or 0.0 when only the sum overflowed (huge but finite values)."""
-    if not math.isfinite(total) and total == total and not ops.any_nonfinite(t):
+    """The input's propagating sum, or 0.0 when only the sum overflowed (huge but finite values: +-inf,
+    or NaN where both signs overflowed)."""
+    if not math.isfinite(total) and not ops.any_nonfinite(t):
         return 0.0
     return total
 

@@ -1,0 +1,77 @@
+"""Issue 28: causes named by what the statistics show. An overflow is called an overflow (judged against the
+dtype, never contradicting the numbers the card prints), an intentional -inf that changes sign is a birth,
+and the hints name the real cause (an eps float16 cannot hold, a VAE's logvar, a softplus written by hand, an
+adaptive step over a zero gradient).
+
+Every test runs under both op-mode watches (``watch_kind``) and on both check paths (``check_path``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_nbdebug.api.nanwatch import nanwatch
+from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
+
+from test_nanwatch import check_path  # noqa: F401 - every test on both check paths
+
+SRC = open(__file__).read().splitlines()
+
+
+def line(marker: str) -> int:
+    return marker_line(SRC, marker)
+
+
+# -- item 1: a normalisation whose variance overflows ------------------------------------------------
+# (CPU's GroupNorm keeps its variance's overflow finite, rstd = 0 and an output of zeros, up to inputs whose
+# mean overflows too: from there it is NaN.)
+NORMS = {
+    "layernorm-2d": (lambda: nn.LayerNorm(8), (4, 8), 5e21, "aten.native_layer_norm.default"),
+    "layernorm-3d": (lambda: nn.LayerNorm(8), (2, 3, 8), 5e21, "aten.native_layer_norm.default"),
+    "groupnorm": (lambda: nn.GroupNorm(2, 4), (2, 4, 5), 3e38, "aten.native_group_norm.default"),
+}
+
+
+@pytest.mark.parametrize("case", list(NORMS))
+def test_a_norm_whose_inputs_reach_5e21_overflowed(case: str) -> None:
+    """float32 squares overflow from about 1.8e19: a LayerNorm over values of 5e21 gives NaN with its real
+    eps (1e-5). The card says so; it never says "zero variance, eps is 0" over statistics showing 5e21."""
+    make, shape, scale, op = NORMS[case]
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape).clamp(-1, 1) * scale
+    with nanwatch() as report:
+        out = model(x)  # @norm-overflow
+    first = report.first
+    assert torch.isnan(out).all() and model.eps == 1e-5
+    assert (first.phase, first.op, first.module, first.lineno, first.kind) == \
+        ("forward", op, "model", line("# @norm-overflow"), "nan")
+    assert first.cause == "overflow", first.hint
+    assert "overflowed" in first.hint and "1.845e+19" in first.hint and "learning rate" in first.hint
+    assert "zero variance" not in first.hint and "eps > 0" not in first.hint
+    assert max(-first.inputs[0].min, first.inputs[0].max) > 1e21  # the statistics the hint reads
+
+
+@pytest.mark.parametrize("case", list(NORMS))
+def test_module_mode_names_the_overflow_too(case: str) -> None:
+    make, shape, scale, _ = NORMS[case]
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape).clamp(-1, 1) * scale
+    with nanwatch(mode="module") as report:
+        model(x)  # @module-overflow
+    first = report.first
+    assert (first.module, first.lineno, first.cause) == ("model", line("# @module-overflow"), "overflow")
+    assert "zero variance" not in first.hint and "learning rate" in first.hint
+
+
+def test_a_constant_row_with_eps_zero_is_still_zero_variance() -> None:
+    """The other way a LayerNorm goes NaN keeps its hint: small values, eps=0, a constant row."""
+    model = nn.LayerNorm(4, eps=0.0)
+    with nanwatch() as report:
+        model(torch.ones(2, 4))  # @zero-var
+    first = report.first
+    assert (first.op, first.lineno, first.cause) == ("aten.native_layer_norm.default", line("# @zero-var"), None)
+    assert "zero variance" in first.hint and "eps > 0" in first.hint
