@@ -75,3 +75,35 @@ def test_a_constant_row_with_eps_zero_is_still_zero_variance() -> None:
     first = report.first
     assert (first.op, first.lineno, first.cause) == ("aten.native_layer_norm.default", line("# @zero-var"), None)
     assert "zero variance" in first.hint and "eps > 0" in first.hint
+
+
+# -- item 2: an intentional -inf that changes sign ---------------------------------------------------
+MASKED = torch.tensor([[False, False, True, True], [False, True, False, False]])
+
+
+def test_label_smoothing_over_classes_masked_with_minus_inf() -> None:
+    """The smoothing term sums log p over every class: log p = -inf at a masked class, and its negation is
+    +inf: the loss is +Inf. That is a birth (the -inf was intentional, its sign change is not)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, requires_grad=True)
+    target = torch.tensor([0, 2])
+    with nanwatch() as report:
+        loss = F.cross_entropy(logits.masked_fill(MASKED, float("-inf")), target, label_smoothing=0.1)  # @smooth
+    first = report.first
+    assert torch.isposinf(loss) and first is not None, report.text()
+    assert (first.phase, first.op, first.kind, first.lineno) == \
+        ("forward", "aten.neg.default", "inf", line("# @smooth"))
+    assert first.cause == "minus_inf_flipped" and "torch.finfo(dtype).min" in first.hint
+
+
+def test_a_minus_inf_mask_that_only_propagates_is_no_birth() -> None:
+    """masked_fill with -inf, then softmax / log_softmax and a loss that ignores the masked classes: the -inf is
+    carried and thrown away, never changes sign: nothing is born."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, requires_grad=True)
+    with nanwatch() as report:
+        scores = logits.masked_fill(MASKED, float("-inf"))
+        probs = scores.softmax(-1)
+        loss = F.cross_entropy(scores, torch.tensor([0, 2])) + probs.sum()
+        loss.backward()
+    assert report.events == () and torch.isfinite(loss), report.text()

@@ -47,7 +47,8 @@ class ImmediateChecks:
         facts = OpFacts(phase, any(ops.has_nan(t) for t in bad), tuple(
             InputFact(b, v != v, v == -math.inf, b and not produced.contains(t),
                       phase == "backward" and log.from_absorbed(k))
-            for t, b, v, k in zip(inputs, in_bad, values, keys)), log.has_events())
+            for t, b, v, k in zip(inputs, in_bad, values, keys)), log.has_events(),
+            any(ops.sum_value(t) == math.inf for t in bad))
         verdict = judge(facts)
         if verdict == "propagation":
             if phase == "forward":

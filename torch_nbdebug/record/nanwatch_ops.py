@@ -15,7 +15,8 @@ from torch_nbdebug.record.compat import op_arguments, tensor_version, tree_leave
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
-# Cannot create a non-finite value from finite inputs (copies, selection, bounded maps, creation).
+# Cannot create a non-finite value from finite inputs (copies, selection, bounded maps, creation). (``neg`` can
+# turn a mask's -inf into +inf, a birth: it is checked.)
 _SAFE = frozenset("""
 detach alias clone contiguous cat stack split split_with_sizes chunk unbind
 narrow index index_select gather embedding eq ne lt gt le ge logical_and logical_or logical_not
@@ -23,7 +24,7 @@ logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor isnan isinf isfinite 
 zeros ones empty empty_like zeros_like ones_like new_zeros new_ones new_empty empty_strided
 new_empty_strided arange rand randn randint rand_like randn_like randint_like normal normal_ uniform_
 bernoulli bernoulli_ random_ relu relu_ threshold threshold_backward sigmoid sigmoid_ tanh tanh_
-gelu gelu_ silu silu_ hardtanh hardtanh_ hardsigmoid abs neg sign sgn max min amax amin argmax argmin
+gelu gelu_ silu silu_ hardtanh hardtanh_ hardsigmoid abs sign sgn max min amax amin argmax argmin
 aminmax sort topk flip roll repeat _unsafe_view t permute max_pool2d_with_indices max_pool1d
 max_pool2d max_pool3d_with_indices zero_ fill fill_ full full_like new_full scalar_tensor tril triu
 masked_select nonzero _local_scalar_dense set_ resize_ select_backward slice_backward
