@@ -107,3 +107,112 @@ def test_a_minus_inf_mask_that_only_propagates_is_no_birth() -> None:
         loss = F.cross_entropy(scores, torch.tensor([0, 2])) + probs.sum()
         loss.backward()
     assert report.events == () and torch.isfinite(loss), report.text()
+
+
+# -- item 3: hints name the real cause ----------------------------------------------------------------
+class Embed(nn.Module):
+    """Sentence embeddings, L2-normalised with F.normalize's default eps=1e-12: 0 in float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(torch.relu(self.proj(x)), dim=-1, eps=1e-12)  # @normalize-eps
+
+
+def test_float16_normalize_whose_eps_rounds_to_zero() -> None:
+    torch.manual_seed(0)
+    model = Embed().half()
+    with torch.no_grad():
+        model.proj.bias[:] = -100.0  # every unit off for the first row: its norm is 0
+        model.proj.weight[:] = 0.0
+    x = torch.zeros(2, 4, dtype=torch.float16)
+    with nanwatch() as report:
+        model(x)
+    first = report.first
+    assert (first.phase, first.op, first.module, first.lineno) == \
+        ("forward", "aten.div.Tensor", "model", line("# @normalize-eps"))
+    assert (first.cause, first.eps) == ("eps_rounds_to_zero", 1e-12)
+    assert "eps=1e-12 rounds to 0 in float16" in first.hint
+
+
+def test_float16_hand_written_norm_whose_eps_rounds_to_zero() -> None:
+    x = torch.ones(2, 4, dtype=torch.float16)  # constant rows: variance 0
+    with nanwatch() as report:
+        var = x.var(-1, unbiased=False, keepdim=True)
+        y = (x - x.mean(-1, keepdim=True)) / torch.sqrt(var + 1e-12)  # @manual-eps
+    first = report.first
+    assert (first.op, first.lineno, first.cause, first.eps) == \
+        ("aten.div.Tensor", line("# @manual-eps"), "eps_rounds_to_zero", 1e-12)
+
+
+def test_float32_eps_is_not_blamed() -> None:
+    """The same 0/0 in float32 with eps=0: no eps rounded, the plain 0/0 hint."""
+    x = torch.ones(2, 4)
+    with nanwatch() as report:
+        y = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True))  # @eps0
+    first = report.first
+    assert (first.op, first.lineno, first.cause, first.eps) == ("aten.div.Tensor", line("# @eps0"), None, None)
+    assert "0/0" in first.hint
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.mu, self.logvar = nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        std = torch.exp(0.5 * logvar)  # @logvar
+        return mu + torch.randn_like(std) * std
+
+
+def test_vae_logvar_to_clamp() -> None:
+    torch.manual_seed(0)
+    model = VAE()
+    with torch.no_grad():
+        model.logvar.bias.fill_(400.0)  # exp(200) overflows float32
+    with nanwatch() as report:
+        model(torch.randn(3, 4))
+    first = report.first
+    assert (first.phase, first.op, first.module, first.lineno) == \
+        ("forward", "aten.exp.default", "model", line("# @logvar"))
+    assert first.cause == "logvar_exp" and "clamp" in first.hint and "logvar" in first.hint
+
+
+class Softplus(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(1 + torch.exp(x))  # @softplus
+
+
+def test_hand_written_softplus_is_replaced_with_f_softplus() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Softplus())
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)  # exp(100) overflows float32
+    with nanwatch() as report:
+        model(torch.zeros(2, 4))
+    first = report.first
+    assert (first.phase, first.op, first.module, first.lineno) == \
+        ("forward", "aten.exp.default", "model.1", line("# @softplus"))
+    assert first.cause == "handwritten_softplus" and "F.softplus" in first.hint
+
+
+def test_adam_with_eps_zero_over_a_zero_gradient_is_not_the_learning_rate() -> None:
+    """A weight the loss does not reach has a zero gradient: Adam's v is 0 there and eps=0 gives 0/0."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
+    x = torch.randn(8, 4)
+    x[:, 2] = 0.0  # weight column 2 gets a gradient of exactly 0
+    with nanwatch() as report:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()  # @adam-eps0
+    first = report.first
+    assert (first.phase, first.op, first.param, first.lineno, first.kind) == \
+        ("optimizer", "Adam.step", "model.weight", line("# @adam-eps0"), "nan")
+    assert first.cause == "zero_gradient_update" and "eps > 0" in first.hint
+    assert "lower the learning rate" not in first.hint.lower()

@@ -39,6 +39,7 @@ _SQUARES = ("native_layer_norm", "native_group_norm", "native_batch_norm", "batc
             "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "var", "std", "var_mean", "std_mean",
             "norm", "linalg_vector_norm", "_fused_rms_norm", "rms_norm")
 _SUMS = ("sum", "mean", "nansum", "cumsum")
+_GUARDED = ("div", "rsqrt", "reciprocal")  # what an eps guards: 0/0 and 1/0 when it rounds to 0
 _NORM_MODULES = ("LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "RMSNorm", "InstanceNorm1d",
                  "InstanceNorm2d", "InstanceNorm3d")
 MODULE_OUTPUT = " (module output)"  # module mode names the module, not the op: ``LayerNorm (module output)``
@@ -107,7 +108,8 @@ RULES: tuple[tuple[Cause, Callable[[NanEvent, str], bool]], ...] = (
      and e.phase == "forward" and _probabilities(e.inputs[:1])),
     ("adam_eps_underflow", _adam_eps_rule),
     ("zero_gradient_update", _zero_gradient_rule),
-    ("eps_rounds_to_zero", lambda e, name: e.phase != "optimizer" and e.eps is not None and 0 < e.eps < _tiny(e)),
+    ("eps_rounds_to_zero", lambda e, name: e.phase != "optimizer" and name in _GUARDED and e.eps is not None
+     and 0 < e.eps < _tiny(e)),
     ("repeated_eigenvalues", lambda e, name: e.phase == "backward" and (e.node_name or e.op).startswith(_SPECTRAL)),
     ("handwritten_softplus", _softplus_rule),
     ("logvar_exp", _logvar_rule),

@@ -72,6 +72,7 @@ class NanRecorder:
         self.modules = ModuleChecks(self, self.layers, self.deferred, self._depth, self._optimizer_busy)
         self.optim: Optional[OptimizerWatch] = None
         self._places: dict[int, Place] = {}
+        self._rounded: dict[tuple[int, Optional[str]], float] = {}  # (iteration, module) -> an eps rounded to 0
         self._last_seq = -1
         self._op_seq: Optional[int] = None
         self._quiet = 0
@@ -197,6 +198,7 @@ class NanRecorder:
         finally:
             self.produced.clear()
             self._places.clear()
+            self._rounded.clear()
             self._moves.clear()
             self._model_place = None
             self.modules.forget()
@@ -477,6 +479,8 @@ class NanRecorder:
                 self.produced.add_all(out)
             return
         outs = ops.float_outputs(out)
+        if outs and outs[0].dtype in ops.HALF:  # (one dtype test: float32 ops pay nothing more)
+            self._note_rounded(args, kwargs, outs[0].dtype)
         if cat == ops.CHECK:
             if outs and len(self.log.events) < self.log.max_events:
                 self.ops_checked += 1
@@ -498,6 +502,17 @@ class NanRecorder:
             elif self.log.tracking_births():
                 self.immediate.absorb(args, kwargs, outs)
         self.produced.add_all(out)
+
+    def _note_rounded(self, args: tuple, kwargs: dict, dtype: torch.dtype) -> None:
+        """A constant the op's half dtype rounds to 0 (an eps): kept by iteration and module, for the hint of a
+        0/0 born there (:meth:`rounded_constant`)."""
+        value = ops.rounded_constant(args, kwargs, dtype)
+        if value is not None and len(self._rounded) < _HANDLE_CAP:
+            self._rounded[(self.clock.iteration, self.module_path())] = value
+
+    def rounded_constant(self, iteration: int, module: Optional[str]) -> Optional[float]:
+        """The constant that rounded to 0 in this iteration and module (see :meth:`_note_rounded`), if any."""
+        return self._rounded.get((iteration, module))
 
     def _remember(self, seq: int, func: Any) -> None:
         if len(self._places) > _NODE_CAP:

@@ -158,6 +158,19 @@ def has_nonfinite_scalar(args: Any, kwargs: Any) -> bool:
     return False
 
 
+_ROUNDS_TO_ZERO = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
+
+
+def rounded_constant(args: tuple, kwargs: dict, dtype: torch.dtype) -> Optional[float]:
+    """A Python float among the arguments that ``dtype`` rounds to 0 (``clamp_min(1e-12)``, ``var + 1e-12`` in
+    float16): an eps that protects nothing. Called for half-precision outputs only."""
+    tiny = _ROUNDS_TO_ZERO.get(dtype, 0.0)
+    for value in (*args, *kwargs.values()):
+        if type(value) is float and 0.0 < abs(value) < tiny:
+            return value
+    return None
+
+
 def propagating_sum(t: torch.Tensor) -> torch.Tensor:
     """A 0-d float32 sum: NaN/Inf propagate through it, ~20x cheaper than ``isfinite().all()``.
 
