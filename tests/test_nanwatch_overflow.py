@@ -216,3 +216,55 @@ def test_adam_with_eps_zero_over_a_zero_gradient_is_not_the_learning_rate() -> N
         ("optimizer", "Adam.step", "model.weight", line("# @adam-eps0"), "nan")
     assert first.cause == "zero_gradient_update" and "eps > 0" in first.hint
     assert "lower the learning rate" not in first.hint.lower()
+
+
+# -- item 2: an Inf born inside a module and absorbed before its output --------------------------------
+class RMSNorm(nn.Module):
+    """Written by hand: under float16, x.pow(2) overflows past 65504 (|x| > 256) and rsqrt(inf) is 0, so the
+    output is finite, and wrong (zeros)."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)  # @rms-pow
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class RMSNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.out = nn.Linear(8, 8), RMSNorm(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("read_at_exit", [True, False])  # (False: the path of outputs on a device)
+def test_float16_rmsnorm_overflow_absorbed_inside_the_module(read_at_exit: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_nbdebug.record import nanwatch_modules
+
+    monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", read_at_exit)
+    torch.manual_seed(0)
+    model = RMSNet().half()
+    x = (torch.randn(4, 8) * 1000).half()
+    with nanwatch() as report:
+        y = model(x)
+        y.float().sum().backward()
+    first = report.first
+    assert torch.isfinite(y).all() and first is not None, report.text()
+    assert (first.phase, first.op, first.module, first.lineno, first.kind) == \
+        ("forward", "aten.pow.Tensor_Scalar", "model.norm", line("# @rms-pow"), "inf")
+    assert "65504" in first.hint
+
+
+def test_a_healthy_float16_model_says_what_replay_did_not_watch(watch_kind: str) -> None:
+    torch.manual_seed(0)
+    model = RMSNet().half()
+    with nanwatch() as report:
+        model(torch.randn(4, 8).half()).float().sum().backward()
+    assert report.events == ()
+    noted = any("absorbed before its output" in n for n in report.notes)
+    assert noted == (watch_kind == "replay" and not report.summary.options["defer"]), report.notes

@@ -32,7 +32,7 @@ from torch_nbdebug.record.nanwatch_immediate import ImmediateChecks
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder
 from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
-from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+from torch_nbdebug.record.nanwatch_modules import HALF_UNWATCHED, ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
 from torch_nbdebug.record.nanwatch_replay import (Replayer, relocate, replay_call, user_line, why_not_replayable,
                                                   with_forward)
@@ -193,6 +193,8 @@ class NanRecorder:
             with self.log.not_raising():
                 self.flush()
                 self.log.commit_held()
+            if self.modules.saw_half and self.modules.replayer is not None and not self.log.has_events():
+                self.modules.replayer.note(HALF_UNWATCHED)  # what this watch did not see, said plainly
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error: the user's own error matters more
             self.internal_error("the flags still on the device", exc)
         finally:

@@ -63,6 +63,8 @@ class KeptCheck:
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
+            elif self._overflowed_inside(entry):
+                self.replayer.birth(entry, first, fallback=False)  # names the op, if the replay sees one
         if later:
             for entry in later:
                 entry.parts = ()  # (read already)
@@ -79,6 +81,15 @@ class KeptCheck:
             path = entry.paths[0]
             if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
                 checks.module_fallback(entry, first)
+
+    def _overflowed_inside(self, entry: Kept) -> bool:
+        """A finite half-precision output whose call's inputs reach the square root of the dtype's largest
+        number: an Inf may have been born inside and absorbed before the output (``x.pow(2)`` then ``rsqrt``:
+        0, finite and wrong). Its replay under the per-op watch finds it, as the always-on watch does."""
+        if entry.call is None or entry.meta[1] not in ops.HALF or self.checks.ctx.log.has_events():
+            return False
+        inputs = entry.live_inputs()
+        return inputs is not None and ops.squares_may_overflow(inputs)
 
     def _made_inside(self, entry: Kept, model_seq: int, arg_keys: Optional[set[Optional[int]]]) -> int:
         """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,

@@ -171,6 +171,22 @@ def rounded_constant(args: tuple, kwargs: dict, dtype: torch.dtype) -> Optional[
     return None
 
 
+_SQRT_MAX = {d: math.sqrt(torch.finfo(d).max) for d in HALF}
+
+
+def squares_may_overflow(inputs: Sequence[torch.Tensor]) -> bool:
+    """A half-precision input whose values reach the square root of its dtype's largest number (256 in
+    float16): a square or product of it inside the module (``x.pow(2)`` in a hand-written RMSNorm) overflows,
+    and an op after it (``rsqrt``) may turn the Inf into a finite, wrong value before the module returns."""
+    for x in inputs:
+        limit = _SQRT_MAX.get(x.dtype)
+        if limit is not None and x.numel():
+            lo, hi = torch.aminmax(x.detach())
+            if max(-float(lo), float(hi)) > limit:
+                return True
+    return False
+
+
 def propagating_sum(t: torch.Tensor) -> torch.Tensor:
     """A 0-d float32 sum: NaN/Inf propagate through it, ~20x cheaper than ``isfinite().all()``.
 
