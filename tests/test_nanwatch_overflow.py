@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_files import bench_module
 from torch_nbdebug.api.nanwatch import nanwatch
 from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
 
@@ -52,6 +53,26 @@ def test_a_norm_whose_inputs_reach_5e21_overflowed(case: str) -> None:
     assert "overflowed" in first.hint and "1.845e+19" in first.hint and "learning rate" in first.hint
     assert "zero variance" not in first.hint and "eps > 0" not in first.hint
     assert max(-first.inputs[0].min, first.inputs[0].max) > 1e21  # the statistics the hint reads
+
+
+def test_gpt_trained_with_adamw_at_a_huge_learning_rate() -> None:
+    """The issue's case: a tiny GPT-2 under AdamW at lr=1e4 diverges; the first NaN is a LayerNorm whose inputs
+    reach ~1e20, its real eps 1e-5. The card calls it an overflow, with the statistics that show it."""
+    models = bench_module("models")
+    torch.manual_seed(0)
+    model = models.small_gpt(vocab=64, d=32, layers=2, heads=2, ctx=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e4)
+    idx = torch.randint(0, 64, (2, 16))
+    with nanwatch() as report:
+        for _ in range(6):
+            opt.zero_grad()
+            models.lm_loss(model, idx, idx).backward()
+            opt.step()
+    first = report.first
+    assert (first.phase, first.op, first.cause) == ("forward", "aten.native_layer_norm.default", "overflow")
+    assert first.module.startswith("model.blocks.") and first.iteration > 1
+    assert max(-first.inputs[0].min, first.inputs[0].max) > 1.845e19
+    assert "zero variance" not in first.hint and "learning rate" in first.hint
 
 
 @pytest.mark.parametrize("case", list(NORMS))
