@@ -289,3 +289,22 @@ def test_a_healthy_float16_model_says_what_replay_did_not_watch(watch_kind: str)
     assert report.events == ()
     noted = any("absorbed before its output" in n for n in report.notes)
     assert noted == (watch_kind == "replay" and not report.summary.options["defer"]), report.notes
+
+
+class Mish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(torch.log(1 + torch.exp(x)))  # @mish
+
+
+def test_hand_written_mish_absorbs_its_overflow_and_is_still_named() -> None:
+    """tanh(inf) = 1: the forward output stays finite, the gradient through exp is inf * 0 = NaN. The default
+    watch names the exp (the backward's replay runs the forward under the per-op watch), as --no-replay does."""
+    model = nn.Sequential(nn.Linear(4, 4), Mish(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)
+    with nanwatch() as report:
+        model(torch.zeros(2, 4)).sum().backward()
+    first = report.first
+    assert (first.phase, first.op, first.module, first.lineno) == \
+        ("forward", "aten.exp.default", "model.1", line("# @mish"))
+    assert first.cause == "handwritten_softplus" and "F.mish" in first.hint
