@@ -50,7 +50,8 @@ class NanEvent:
 
     Structured facts for the hint (never parsed back out of ``detail``, which is for people):
     ``cause``; ``param``/``param_kind`` for a parameter or buffer that carried it; ``lr``/``eps``/
-    ``grad_finite`` for optimizer events (``lr`` also on later births when the learning rate grew);
+    ``grad_finite`` for optimizer events (``lr`` also on later births when the learning rate grew; ``eps``
+    also on a half-precision birth whose module passed an op a constant the dtype rounds to 0);
     ``input_op``, the autograd node that made the op's first input (``ClampMinBackward0``).
     """
 

@@ -509,7 +509,9 @@ class NanRecorder:
         """A constant the op's half dtype rounds to 0 (an eps): kept by iteration and module, for the hint of a
         0/0 born there (:meth:`rounded_constant`)."""
         value = ops.rounded_constant(args, kwargs, dtype)
-        if value is not None and len(self._rounded) < _HANDLE_CAP:
+        if value is not None:
+            if len(self._rounded) >= _HANDLE_CAP:  # a long loop: the earlier iterations' are forgotten
+                self._rounded.clear()
             self._rounded[(self.clock.iteration, self.module_path())] = value
 
     def rounded_constant(self, iteration: int, module: Optional[str]) -> Optional[float]:
