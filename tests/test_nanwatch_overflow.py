@@ -263,7 +263,8 @@ class RMSNet(nn.Module):
 
 
 @pytest.mark.parametrize("read_at_exit", [True, False])  # (False: the path of outputs on a device)
-def test_float16_rmsnorm_overflow_absorbed_inside_the_module(read_at_exit: bool,
+@pytest.mark.parametrize("grad", [True, False])  # (no_grad: the norm's input is freed before the check)
+def test_float16_rmsnorm_overflow_absorbed_inside_the_module(read_at_exit: bool, grad: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from torch_nbdebug.record import nanwatch_modules
 
@@ -271,9 +272,10 @@ def test_float16_rmsnorm_overflow_absorbed_inside_the_module(read_at_exit: bool,
     torch.manual_seed(0)
     model = RMSNet().half()
     x = (torch.randn(4, 8) * 1000).half()
-    with nanwatch() as report:
+    with torch.set_grad_enabled(grad), nanwatch() as report:
         y = model(x)
-        y.float().sum().backward()
+        if grad:
+            y.float().sum().backward()
     first = report.first
     assert torch.isfinite(y).all() and first is not None, report.text()
     assert (first.phase, first.op, first.module, first.lineno, first.kind) == \

@@ -329,6 +329,9 @@ class ModuleChecks:
                         kept.read(t, site.path, module, iteration, values, weak)
                     return
             entry = kept.output(t, site.path, module, site.inputs(), site.place(), iteration, weak, table, values)
+            if t.dtype in ops.HALF and (weak or values is not None) and not _non_finite(values or [0.0] * 3):
+                # (read now while the inputs live: a no-grad call's are gone by the check; on a device, a sync)
+                entry.squares_risk = ops.squares_may_overflow(site.inputs())
         call = site.call()
         entry.call = call.weakened() if weak else call
 
