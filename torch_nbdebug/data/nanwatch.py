@@ -28,12 +28,15 @@ Cause = Literal[
     "adam_eps_underflow",       # Adam's eps rounds to 0 in float16: 0/0 in the update
     "repeated_eigenvalues",     # eigh/svd backward divides by differences of equal eigenvalues
     "overflow",                 # values so large for their dtype that squares (a variance, a norm) or sums overflowed
-    "minus_inf_flipped",        # an intentional -inf (a mask) turned into +inf (-(-inf): label smoothing's sum of log p)
+    "minus_inf_flipped",        # an intentional -inf (a mask) turned into +inf (label smoothing's -sum of log p)
     "eps_rounds_to_zero",       # a small constant (``eps``) rounds to 0 in float16/bfloat16: 0/0 (``eps``)
     "logvar_exp",               # exp of a large log-variance (a VAE's std = exp(0.5 * logvar)): clamp it
     "handwritten_softplus",     # log(1 + exp(x)) written by hand (softplus, mish): exp overflows; F.softplus
     "zero_gradient_update",     # an adaptive step with eps=0 where the gradient is 0: 0/0, whatever the lr
 ]
+# A constant below half its dtype's smallest subnormal rounds to 0 there (eps=1e-12 in float16): one table for
+# the recorder (which constants to note) and the hints (which eps to blame).
+ROUNDS_TO_ZERO = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "input")
 KINDS: tuple[Kind, ...] = ("nan", "inf")
 

@@ -227,7 +227,8 @@ def _overflow(event: NanEvent) -> str:
         what = (f"its inputs reach {size} and {limit_words(s)}, so the sum of squares (the variance) "
                 f"overflowed and normalising gave {'NaN' if event.kind == 'nan' else 'Inf'}")
     else:
-        what = f"its inputs reach {size} and their sum passed {event.output.dtype if event.output else 'the dtype'}'s largest number"
+        dtype = event.output.dtype if event.output is not None else "the dtype"
+        what = f"its inputs reach {size} and their sum passed {dtype}'s largest number"
     lr = f" (lr={event.lr:.4g})" if event.lr is not None else ""
     return (f"{op} overflowed: {what}. Nothing is wrong with its eps: the values grew too large before this op. "
             f"In training the weights diverged: lower the learning rate{lr} and clip gradients "

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
+from torch_nbdebug.data.nanwatch import ROUNDS_TO_ZERO
 from torch_nbdebug.data.stats import TensorStats
 
 LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
            "float64": 1.7976931348623157e308}
-SMALLEST = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}  # below these a constant rounds to 0
+SMALLEST = ROUNDS_TO_ZERO  # below these a constant rounds to 0
 HALF = ("float16", "bfloat16")
 
 

@@ -311,9 +311,10 @@ class ModuleChecks:
 
     def _keep(self, t: torch.Tensor, module: torch.nn.Module, site: CallSite, table: bool = True) -> None:
         """Keep one output of a module call. A CPU output is read at once (reading a CPU scalar is no
-        synchronisation): a finite one keeps only what the table needs (unless it is float16/bfloat16), a
-        non-finite one what a replay needs too. Another device's statistics are computed now, while the output is still in the cache
-        (not read: :meth:`check_kept` reads every entry's together). Our ops pass no dispatch mode."""
+        synchronisation): a finite one keeps only what the table needs (unless it is float16/bfloat16: see
+        KeptCheck), a non-finite one what a replay needs too. Another device's statistics are computed now,
+        while the output is still in the cache (not read: :meth:`check_kept` reads every entry's together).
+        Our ops pass no dispatch mode."""
         weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
         kept, iteration = self.kept, self.ctx.clock.iteration
         assert kept is not None

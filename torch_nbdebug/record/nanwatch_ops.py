@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from torch_nbdebug.data.nanwatch import ROUNDS_TO_ZERO
 from torch_nbdebug.record.compat import op_arguments, tensor_version, tree_leaves
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
@@ -158,7 +159,7 @@ def has_nonfinite_scalar(args: Any, kwargs: Any) -> bool:
     return False
 
 
-_ROUNDS_TO_ZERO = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
+_ROUNDS_TO_ZERO = {getattr(torch, name): value for name, value in ROUNDS_TO_ZERO.items()}
 
 
 def rounded_constant(args: tuple, kwargs: dict, dtype: torch.dtype) -> Optional[float]:
