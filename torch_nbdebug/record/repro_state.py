@@ -25,6 +25,7 @@ from torch import nn
 
 from torch_nbdebug.data.repro import Fingerprint, Settings
 from torch_nbdebug.record.compat import storage_key, storage_use_count
+from torch_nbdebug.record.interrupts import no_grad_held
 from torch_nbdebug.record.source import inspectable
 from torch_nbdebug.record.repro_ops import fingerprint_tensor, fingerprintable, read_fingerprints
 
@@ -236,7 +237,7 @@ class StateSnapshot:
         """Called by the recorder before an op writes ``tensor``: save the tensors sharing its storage."""
         tensors = self._cow.pop(storage_key(tensor), None)  # type: ignore[arg-type]
         if tensors:
-            with torch.no_grad():
+            with no_grad_held():
                 if len(tensors) == 1 and id(tensors[0]) in self._optimizer_only:
                     self._replaced[id(tensors[0])] = (tensors[0], tensors[0].detach().clone())
                 elif len(tensors) == 1 and _movable(tensors[0]):
@@ -278,7 +279,7 @@ class StateSnapshot:
     # -- restoring -----------------------------------------------------------------------------
     def restore(self) -> None:
         """Put everything back as it was when the snapshot was taken (call once)."""
-        with torch.no_grad():
+        with no_grad_held():
             for live, saved in self._saved:
                 live.copy_(saved)
             for live, own in self._moved:
@@ -318,7 +319,7 @@ class StateSnapshot:
                     if found is not None and found[0] is value:
                         entries[key] = found[1]
                         self.labels[id(found[1])] = self.labels.get(id(value), "optimizer state")
-        with torch.no_grad():
+        with no_grad_held():
             for live, saved in left.values():
                 live.copy_(saved)
 
@@ -406,7 +407,7 @@ def end_state(watched: Iterable[tuple[str, Any]]) -> dict[str, Fingerprint]:
         t = ref()
         if isinstance(t, torch.Tensor) and fingerprintable(t):
             tensors.append((name, t))
-    with torch.no_grad():
+    with no_grad_held():
         values = read_fingerprints([fingerprint_tensor(t) for _, t in tensors])
     return {name: Fingerprint(tuple(t.shape), str(t.dtype).replace("torch.", ""), *v)
             for (name, t), v in zip(tensors, values)}
