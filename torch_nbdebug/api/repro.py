@@ -116,12 +116,14 @@ def run_twice(fn: Callable[[], Any], *, state: Any = None, restore_rng: bool = T
               namespace: Optional[MutableMapping[str, Any]] = None) -> tuple["ReproReport", Any]:
     """Run ``fn`` twice from the same state; return the report and the second run's value.
     The user's exception (from either run) propagates unchanged; the report is then :func:`last_report`."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     return _run_twice(fn, state, restore_rng, namespace, sys._getframe(1))
 
 
 def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: Optional[MutableMapping[str, Any]],
                caller: Optional[types.FrameType]) -> tuple["ReproReport", Any]:
     global _last
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     if not callable(fn):
         raise InputError(f"repro: fn must be a function to run twice (e.g. a lambda), not {type(fn).__name__}")
     if not isinstance(restore_rng, bool):
@@ -182,6 +184,7 @@ def repro(fn: Callable[[], Any], state: Any = None, *, restore_rng: bool = True,
     the random generators (torch CPU/CUDA, NumPy, Python ``random``). namespace: a dict of variables
     (e.g. ``globals()``) to take state from and whose names are rebound before the second run.
     """
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     return _run_twice(fn, state, restore_rng, namespace, sys._getframe(1))[0]
 
 
