@@ -168,3 +168,38 @@ def test_hostile_namespace_does_not_trip_the_monitor(ip: Any) -> None:
         objects.clear()
     assert r.history.layers == ("net.0", "net.2") and np.isfinite(r.history["loss"][:25]).all()
     assert "could not be inspected" in r.text() and "unbound_proxy" in r.text()  # said once, in a note
+
+
+# -- issue 29: bad input is a UsageError before the cell runs, or an InputError in the twin -------
+def test_a_tensorboard_directory_that_cannot_be_made_is_a_usage_error_before_the_cell_runs(ip: Any,
+                                                                                        tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    ip.user_ns["ran"] = 0
+    try:
+        with pytest.raises(UsageError, match="cannot make the TensorBoard directory"):
+            ip.run_cell_magic("monitor", f"--tensorboard {blocker / 'runs'} loss", "ran += 1\n" + LOOP)
+        assert ip.user_ns["ran"] == 0 and "_monitor" not in ip.user_ns  # the training cell never ran
+    finally:
+        ip.user_ns.pop("ran", None)
+
+
+@pytest.mark.parametrize("line, match", [("--bogus", "unrecognized arguments: --bogus"),
+                                         ("stray args", "takes no expressions"),
+                                         ("-o loss", "takes no expressions")])
+def test_line_magic_refuses_what_it_would_ignore(ip: Any, line: str, match: str) -> None:
+    with capture_output():
+        ip.run_cell_magic("monitor", "loss", LOOP)
+    with pytest.raises(UsageError, match=match):
+        ip.run_line_magic("monitor", line)
+
+
+def test_twins_refuse_a_namespace_that_is_not_a_mapping() -> None:
+    from torch_nbdebug import monitor, repro
+    from torch_nbdebug.errors import InputError
+
+    with pytest.raises(InputError, match="namespace must be a mapping"):
+        monitor("loss", namespace=5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="namespace must be a dict"):
+        repro(lambda: None, namespace=5)  # type: ignore[arg-type]

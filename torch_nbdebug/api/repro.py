@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import Any, Callable, MutableMapping, Optional, Sequence
+from collections.abc import MutableMapping
+from typing import Any, Callable, Optional, Sequence
 
 from torch_nbdebug.data.repro import (Cause, Divergence, NondeterministicUse, OpTrace, PreflightItem, ReproOp,
                                       ReproSummary)
@@ -128,6 +129,9 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
         raise InputError(f"repro: fn must be a function to run twice (e.g. a lambda), not {type(fn).__name__}")
     if not isinstance(restore_rng, bool):
         raise InputError(f"repro: restore_rng must be True or False, not {restore_rng!r}")
+    if namespace is not None and not isinstance(namespace, MutableMapping):
+        raise InputError(f"repro: namespace must be a dict of names whose values it restores (e.g. globals()), "
+                         f"not {type(namespace).__name__}")
     skipped: list[str] = []
     named = _named_state(state, namespace, caller, skipped)
     del caller
