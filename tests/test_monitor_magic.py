@@ -60,12 +60,12 @@ def test_cell_magic_shows_one_bundle_with_a_sanitizer_proof_figure(ip: Any) -> N
     data = cap.outputs[0].data
     assert {"text/plain", "text/html", WIDGET} <= set(data)
     assert "30 steps recorded" in data["text/plain"]
-    assert "non-finite: step 26: loss is nan" in data["text/plain"] and "%%nanwatch" in data["text/plain"]
+    assert "non-finite: step 25: loss is nan" in data["text/plain"] and "%%nanwatch" in data["text/plain"]
     html = data["text/html"]
     assert "<svg" not in html and "<style" not in html and "style=" not in html
     png = html.split('src="data:image/png;base64,')[1].split('"')[0]
     assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "non-finite" in html and "step 26" in html  # the alert in words, not only on the figure
+    assert "non-finite" in html and "step 25" in html  # the alert in words, not only on the figure
     mon = ip.user_ns["_monitor"]
     assert np.allclose(mon.history["loss"][:25], ip.user_ns["losses"][:25])
     assert mon.history['opt.param_groups[0]["lr"]'][0] == 0.05
@@ -74,7 +74,7 @@ def test_cell_magic_shows_one_bundle_with_a_sanitizer_proof_figure(ip: Any) -> N
 def test_options_output_and_quiet(ip: Any) -> None:
     with capture_output() as cap:
         r = ip.run_cell_magic("monitor", "--every 5 --no-ratio -o loss", LOOP)
-    assert not cap.outputs and list(r.history.steps) == [1, 6, 11, 16, 21, 26]
+    assert not cap.outputs and list(r.history.steps) == [0, 5, 10, 15, 20, 25]
     assert np.isnan(r.history.update_ratio).all() and (r.history.grad_norm > 0).any()
     with capture_output() as cap:
         ip.run_cell_magic("monitor", "-q --no-layers loss", LOOP)
@@ -95,7 +95,7 @@ def test_failing_cell_reraises_unchanged_and_shows_what_was_recorded(ip: Any) ->
     with capture_output() as cap, pytest.raises(ip.user_ns["Boom"]):
         ip.run_cell_magic("monitor", "-o loss", body)
     text = cap.outputs[0].data["text/plain"]  # shown even with -o: the failure is why one looks
-    assert "5 steps recorded" in text and "the cell raised at step 5" in text
+    assert "5 steps recorded" in text and "the cell raised at step 4" in text
 
 
 def test_last_value_of_the_cell_is_displayed(ip: Any) -> None:
@@ -144,7 +144,7 @@ def test_widget_state(ip: Any) -> None:
     view = r.widget()
     meta = view.meta
     assert meta["expressions"] == ["loss", "opt.param_groups[0]['lr']"]
-    assert meta["steps"] == list(range(1, 31)) and meta["layers"] == ["net.0", "net.2"]
+    assert meta["steps"] == list(range(0, 30)) and meta["layers"] == ["net.0", "net.2"]
     values = np.frombuffer(view.values, np.float32).reshape(30, 2)
     assert np.allclose(values[:25, 0], ip.user_ns["losses"][:25]) and np.isnan(values[25, 0])
     norms = np.frombuffer(view.norms, np.float32).reshape(30, 2)

@@ -153,7 +153,7 @@ class MonitorRecorder:
         self._clock: Optional[weakref.ref[Any]] = None
         self._others: dict[str, None] = {}
         self._layers: Optional[_Layers] = None
-        self._step = 0
+        self._step = -1  # the clock's step now: numbered by the steps completed before it, from 0 (as %%grads)
         self._row: Optional[dict[str, Any]] = None     # the step between its pre and post hooks
         self._pending: list[dict[str, Any]] = []
         self._host = {"steps": _Rows(1, 0, np.int64), "times": _Rows(1, math.nan, np.float64),
@@ -207,7 +207,7 @@ class MonitorRecorder:
         if not self._is_clock(opt):
             return
         self._step += 1
-        if (self._step - 1) % self.every:
+        if self._step % self.every:
             return
         try:
             with no_grad_held():
