@@ -21,9 +21,8 @@ from torch_nbdebug.process.repro import (explain, find_divergence, first_op, mis
                                          preflight, summarize)
 from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.repro import ReproRecorder
-from torch_nbdebug.record.source import skipped_note
 from torch_nbdebug.record.repro_state import StateSnapshot, end_state, is_state, read_settings, state_in
-from torch_nbdebug.record.source import line_of
+from torch_nbdebug.record.source import frame_locals, line_of, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["repro", "run_twice", "ReproReport", "ReproOp", "PreflightItem", "last_report"]
@@ -88,9 +87,9 @@ class _Comparator:
 def _caller_name(value: Any, caller: Optional[types.FrameType], fallback: str) -> str:
     """The caller's variable name for a state object (``model`` rather than ``state[0]``)."""
     if caller is not None:
-        # Before 3.13 reading f_locals stores a snapshot on the frame that would keep tensors alive.
-        scopes = (caller.f_locals, caller.f_globals) if sys.version_info >= (3, 13) else (caller.f_globals,)
-        for scope in scopes:
+        # frame_locals: a plain f_locals read before 3.13 leaves a snapshot on the frame keeping tensors alive
+        local = frame_locals(caller)
+        for scope in ((caller.f_globals,) if local is None else (local, caller.f_globals)):
             for name, candidate in list(scope.items()):
                 if candidate is value and not name.startswith("_"):
                     return name

@@ -180,7 +180,8 @@ class no_grad_held:
         self._previous = True
 
     def __enter__(self) -> None:
-        self._held.__enter__()
+        if not torch.compiler.is_compiling():  # traced into a compiled hook: no bytecode of ours runs there
+            self._held.__enter__()
         self._previous = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
 
