@@ -25,11 +25,9 @@ from typing import Any, Iterable, Iterator, MutableMapping, Optional
 import torch
 from torch import nn
 
-from torch_nbdebug.data.repro import Fingerprint, Settings
 from torch_nbdebug.record.compat import is_fake, storage_key, storage_use_count
 from torch_nbdebug.record.interrupts import deferred_interrupts, no_grad_held
 from torch_nbdebug.record.source import inspectable
-from torch_nbdebug.record.repro_ops import fingerprint_tensor, fingerprintable, read_fingerprints
 
 _MISSING = object()
 
@@ -46,10 +44,10 @@ def _is_scaler(value: Any) -> bool:
 def is_state(value: Any) -> bool:
     """Whether ``value`` is something a run can change that the snapshot knows how to restore."""
     return isinstance(value, (nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Generator)) or \
-        _is_scheduler(value) or _is_scaler(value) or _is_loader(value)
+        _is_scheduler(value) or _is_scaler(value) or is_loader(value)
 
 
-def _is_loader(value: Any) -> bool:
+def is_loader(value: Any) -> bool:
     return isinstance(value, torch.utils.data.DataLoader)
 
 
@@ -171,7 +169,7 @@ class StateSnapshot:
             self._add_tensor(name, value)
         elif isinstance(value, torch.Generator):
             generators.append(value)
-        elif _is_loader(value):
+        elif is_loader(value):
             if value.generator is not None:
                 generators.append(value.generator)
             return
@@ -393,39 +391,3 @@ def _tensors_in(value: Any) -> Iterator[Any]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
-
-
-def loaders_without_seed(named: Iterable[tuple[str, Any]]) -> tuple[str, ...]:
-    """DataLoaders with worker processes whose randomness no seed controls."""
-    return tuple(name for name, value in named if _is_loader(value) and value.num_workers > 0
-                 and value.generator is None and value.worker_init_fn is None)
-
-
-def read_settings(named: Iterable[tuple[str, Any]], cuda_used: bool) -> Settings:
-    """The global switches that decide whether a run can repeat (read, never changed)."""
-    import os
-
-    return Settings(
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-        deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-        cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        matmul_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
-        cudnn_tf32=bool(torch.backends.cudnn.allow_tf32),
-        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-        cuda_used=cuda_used,
-        loaders=loaders_without_seed(named),
-    )
-
-
-def end_state(watched: Iterable[tuple[str, Any]]) -> dict[str, Fingerprint]:
-    """Fingerprints of the given state tensors as a run left them."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for name, ref in watched:
-        t = ref()
-        if isinstance(t, torch.Tensor) and fingerprintable(t):
-            tensors.append((name, t))
-    with no_grad_held():
-        values = read_fingerprints([fingerprint_tensor(t) for _, t in tensors])
-    return {name: Fingerprint(tuple(t.shape), str(t.dtype).replace("torch.", ""), *v)
-            for (name, t), v in zip(tensors, values)}
