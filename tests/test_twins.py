@@ -296,6 +296,19 @@ def test_repro_state_in_a_function_is_named_by_the_local_variables() -> None:
     assert set(report.summary.state) == {"model", "opt"}
 
 
+def test_repro_without_state_in_a_function_names_the_model_by_the_local_variable() -> None:
+    from torch_nbdebug import repro
+
+    def check() -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        x = torch.randn(16, 4)
+        return repro(lambda: model(x).sum(), restore_rng=False)
+
+    report = check()
+    assert report.first.module == "model.1", report.text()  # was sequential.1
+
+
 def test_monitor_in_a_function_names_layers_by_the_local_variable() -> None:
     from torch_nbdebug import monitor
 

@@ -14,6 +14,8 @@ import types
 from collections.abc import MutableMapping
 from typing import Any, Callable, Optional, Sequence
 
+from torch import nn
+
 from torch_nbdebug.data.repro import (Cause, Divergence, NondeterministicUse, OpTrace, PreflightItem, ReproOp,
                                       ReproSummary)
 from torch_nbdebug.errors import InputError
@@ -23,7 +25,7 @@ from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.repro import ReproRecorder
 from torch_nbdebug.record.repro_settings import end_state, read_settings
 from torch_nbdebug.record.repro_state import StateSnapshot, is_state, state_in
-from torch_nbdebug.record.source import frame_locals, line_of, skipped_note
+from torch_nbdebug.record.source import UserNamespace, frame_locals, line_of, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["repro", "run_twice", "ReproReport", "ReproOp", "PreflightItem", "last_report"]
@@ -113,6 +115,19 @@ def _named_state(state: Any, namespace: Optional[MutableMapping[str, Any]],
     return named
 
 
+def _module_names(named: list[tuple[str, Any]], caller: Optional[types.FrameType]) -> dict[str, Any]:
+    """Names for the modules the runs call: the state's, then the modules the caller holds in its
+    variables (a model ``fn`` uses without passing it as state is named ``model.1`` too, not by class).
+    Modules only, so no tensor the function frees is kept while it runs."""
+    found: dict[str, Any] = {}
+    if caller is not None:
+        view = UserNamespace(frame=caller)
+        found = {name: value for name, value in view.items() if issubclass(type(value), nn.Module)}
+        view.release()
+    found.update(named)
+    return found
+
+
 def run_twice(fn: Callable[[], Any], *, state: Any = None, restore_rng: bool = True,
               namespace: Optional[MutableMapping[str, Any]] = None) -> tuple["ReproReport", Any]:
     """Run ``fn`` twice from the same state; return the report and the second run's value.
@@ -134,8 +149,8 @@ def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: 
                          f"not {type(namespace).__name__}")
     skipped: list[str] = []
     named = _named_state(state, namespace, caller, skipped)
+    names = namespace if namespace is not None else _module_names(named, caller)  # for the report
     del caller
-    names = dict(named) if namespace is None else namespace  # module names for the report
     report = _last = ReproReport()
     snapshot = StateSnapshot(named, namespace, restore_rng)
     context = dict(names=tuple(snapshot.names), restore_rng=restore_rng, named=named, skipped=tuple(skipped))
