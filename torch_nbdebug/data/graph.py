@@ -98,6 +98,7 @@ class GraphData:
     source: str = "autograd"  # "recorded" when a forward ran under the recorder, "inferred" otherwise
     notes: tuple[str, ...] = ()
     truncated: bool = False
+    nan_from: str = ""  # where the marked birth was found: "%%nanwatch, In [4]"
     _index: dict[str, GraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, node_id: str) -> GraphNode:
@@ -137,7 +138,7 @@ class GraphData:
     def to_dict(self) -> dict[str, Any]:
         return {
             "title": self.title, "source": self.source, "notes": list(self.notes), "truncated": self.truncated,
-            "nodes": [_node_dict(n) for n in self.nodes],
+            "nan_from": self.nan_from, "nodes": [_node_dict(n) for n in self.nodes],
             "edges": [[e.src, e.dst] for e in self.edges],
             "modules": [asdict(m) for m in self.modules],
         }
@@ -153,6 +154,7 @@ class GraphData:
             modules=tuple(ModuleInfo(**m) for m in data.get("modules", ())),
             title=data.get("title", "graph"), source=data.get("source", "autograd"),
             notes=tuple(data.get("notes", ())), truncated=bool(data.get("truncated", False)),
+            nan_from=str(data.get("nan_from", "")),
         )
 
     @classmethod
