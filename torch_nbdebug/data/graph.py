@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from torch_nbdebug.data.stats import fmt_number
+
 # Node kinds. "op" is an autograd Node (``AddmmBackward0``); "param" is a parameter's
 # AccumulateGrad leaf; "input" any other leaf that requires grad; "output" the tensor graphed.
 NODE_KINDS = ("op", "param", "input", "output")
@@ -42,9 +44,9 @@ class GradInfo:
     nonfinite: int = 0
 
     def brief(self) -> str:
-        text = f"‖grad‖={self.norm:.4g}"
+        text = f"‖grad‖={fmt_number(self.norm)}"
         if self.min is not None and self.max is not None:
-            text += f" [{self.min:.3g}, {self.max:.3g}]"
+            text += f" [{fmt_number(self.min, 3)}, {fmt_number(self.max, 3)}]"
         if self.nonfinite:
             text += f" {self.nonfinite} non-finite"
         return text

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch_nbdebug.data.graph import GraphData, GraphNode
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.process.graph import Hierarchy
 
 
@@ -82,7 +83,7 @@ def _group_details(data: GraphData, hier: Hierarchy, gid: str) -> dict[str, Any]
     return {
         "id": gid, "kind": "group", "label": g.label, "module": g.path or "", "type": g.type_name,
         "repeat": g.repeat or "", "size": g.size, "params": len(params), "numel": numel,
-        "grad": f"‖grad‖={sum(n * n for n in norms) ** 0.5:.4g} over {len(norms)} parameters" if norms else "",
+        "grad": f"‖grad‖={fmt_number(sum(n * n for n in norms) ** 0.5)} over {len(norms)} parameters" if norms else "",
         "nan": _nan_from(data) if any(data.node(n).nan for n in inside) else "",
     }
 

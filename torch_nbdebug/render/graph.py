@@ -13,6 +13,7 @@ from typing import Any, Optional
 import traitlets
 
 from torch_nbdebug.data.graph import GraphData
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process import graph as pg
 from torch_nbdebug.process.graph_details import details, group_label, node_label, search, shape_text
@@ -279,7 +280,7 @@ class GraphExplorer(Displayable):
         node = self.data.node(item)
         sub = shape_text(node.shape, node.dtype)
         if node.grad is not None:
-            sub += f" ‖g‖={node.grad.norm:.3g}"
+            sub += f" ‖g‖={fmt_number(node.grad.norm, 3)}"
         return node_label(self.hierarchy, node), sub
 
     def _size(self, item: str) -> tuple[float, float]:

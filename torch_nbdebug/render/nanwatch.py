@@ -12,6 +12,7 @@ from typing import Any, Optional
 import traitlets
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.render.html import AMBER, GREEN, bad, esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
 
@@ -176,7 +177,7 @@ def source_window(count: int, first: int, target: Optional[int]) -> tuple[int, i
 
 
 def _fmt(v: Optional[float]) -> str:
-    return "" if v is None else f"{v:.4g}"
+    return "" if v is None else fmt_number(v)
 
 
 def _cell(finite: Optional[bool], *values: Optional[float]) -> str:
@@ -194,7 +195,8 @@ def layers_html(layers: tuple[LayerStats, ...]) -> str:
             + f"<th {right}>min</th><th {right}>max</th><th {right}>mean</th>" * 2 + "</tr></thead>")
     rows = []
     for layer in layers:
-        name = f"<code>{esc(layer.module)}</code>" + (f" {bad('◀ birth')}" if layer.birth else "")
+        path = ".<wbr>".join(esc(part) for part in layer.module.split("."))  # wraps after a dot when narrow
+        name = f"<code>{path}</code>" + (f" {bad('◀ birth')}" if layer.birth else "")
         mark = ' class="mark"' if layer.birth else ""
         rows.append(f"<tr{mark}><td style='text-align:left'>{name}</td><td {right}>{layer.calls}</td>"
                     f"{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
