@@ -15,8 +15,8 @@ from torch_nbdebug.process.nanwatch import summarize_watch
 from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.modules import module_at, module_roots
 from torch_nbdebug.record.nanwatch import NanRecorder
-from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_source, running_cell_number,
-                                        skipped_note)
+from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
+                                        running_cell_number, skipped_note)
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanBirthError"]
@@ -156,7 +156,7 @@ class NanWatch:
                                   notes=tuple(notes), options=dict(self.options))
         rec.layers.clear()
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
-        return _with_source(summary, filename)
+        return _with_cells(_with_source(summary, filename))
 
 
 def _birth_module(namespace: Mapping[str, Any], first: Optional[NanEvent]) -> Optional[weakref.ref]:
@@ -193,6 +193,16 @@ def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
             sources[event.filename] = _source_window(event.filename, event.lineno)
     return dataclasses.replace(summary, cell_filename=filename, cell_source=text, source_first_line=first_line,
                                sources=tuple((name, first, src) for name, (first, src) in sources.items() if src))
+
+
+def _with_cells(summary: NanSummary) -> NanSummary:
+    """The cell the watch ran in and each event's cell, so a view says ``In [2], line 3`` for a line
+    that is not in the cell it is shown under."""
+    import dataclasses
+
+    files = {e.filename for e in summary.events + summary.absorbed if e.filename}
+    cells = tuple((name, number) for name in sorted(files) if (number := cell_number(name)) is not None)
+    return dataclasses.replace(summary, cell=running_cell_number(), cells=cells)
 
 
 def _source_window(filename: str, lineno: Optional[int]) -> tuple[int, str]:

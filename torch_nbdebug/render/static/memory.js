@@ -38,9 +38,11 @@ function html(tag, attrs, parent, text) {
   return e;
 }
 function shape(a) { return a.dtype ? `${a.dtype}[${a.shape.join(", ")}]` : "(allocator block)"; }
-function where(l) {  // notebook cells are compiled from temporary files whose names mean nothing to users
+function where(l) {  // as SourceLine.location: "In [7], line 3" names the cell (its temp file's name means nothing)
   const cell = l.filename.includes("ipykernel_") || l.filename.startsWith("<ipython-input");
-  return (cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`) + (l.text ? `: ${l.text}` : "");
+  const at = l.cell !== null && l.cell !== undefined ? `In [${l.cell}], line ${l.lineno}`
+    : cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`;
+  return at + (l.function && l.function !== "<module>" ? ` in ${l.function}()` : "") + (l.text ? `: ${l.text}` : "");
 }
 function lineOf(a) { return a.line ? where(a.line) : ""; }
 

@@ -66,6 +66,18 @@ function checked(report) {
     (calls ? ` and ${calls.toLocaleString()} module call${calls === 1 ? "" : "s"}` : "") + " checked";
 }
 
+// As data/source.py's line_label: "line 3" in the watched cell, "In [2], line 3" in another,
+// "model.py, line 3" in a file.
+function lineLabel(e, report) {
+  const cells = report.cells || {}, here = report.cell ?? null;
+  const cell = e.filename && e.filename in cells ? cells[e.filename] : null;
+  if (cell !== null && cell === here) return `line ${e.lineno}`;
+  if (cell !== null) return `In [${cell}], line ${e.lineno}`;
+  const isCell = !e.filename || e.filename.includes("ipykernel_") || e.filename.startsWith("<ipython-input");
+  if (isCell) return here === null || !e.filename ? `line ${e.lineno}` : `another cell, line ${e.lineno}`;
+  return `${e.filename.split(/[\\/]/).pop()}, line ${e.lineno}`;
+}
+
 function card(e, report) {
   if (!e) {
     const doubt = cleanDoubt(report);
@@ -79,7 +91,7 @@ function card(e, report) {
   const where = [];
   if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
   if (e.param) where.push("parameter ", h("code", {}, e.param), " · ");
-  if (e.lineno !== null) where.push(`line ${e.lineno}: `, h("code", { class: "nw-line" }, e.line || ""), " · ");
+  if (e.lineno !== null) where.push(h("span", { class: "nw-where-line" }, lineLabel(e, report)), ": ", h("code", { class: "nw-line" }, e.line || ""), " · ");
   where.push(`${PHASE[e.phase] || e.phase}, iteration ${e.iteration}`);
   const what = [h("b", {}, e.kind === "nan" ? "NaN" : "Inf"), " from ", h("code", { class: "nw-op" }, e.op)];
   if (e.aten_op && e.aten_op !== e.op) what.push(" (", h("code", {}, e.aten_op), ")");
@@ -168,7 +180,7 @@ function layers(report, e) {
 
 function events(report, selected, select) {
   if (!report.events.length) return null;
-  const numeric = [true, false, true, false, false, false, true];
+  const numeric = [true, false, true, false, false, false, false];
   const head = h("tr", {}, ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
     .map((c, k) => h("th", { class: numeric[k] ? "num" : "" }, c)));
   const onKey = (i) => (evt) => {
@@ -181,7 +193,8 @@ function events(report, selected, select) {
     class: i === selected ? "mark nw-event" : "nw-event", title: "show in the card", tabindex: "0",
     "data-index": String(i), "aria-current": i === selected ? "true" : null, "data-lm-suppress-shortcuts": "true",
     onclick: () => select(i), onkeydown: onKey(i),
-  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
+  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "",
+    e.lineno === null || e.lineno === undefined ? "" : lineLabel(e, report)]
     .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : k === 3 ? "bad" : numeric[k] ? "num" : "" }, String(c)))));
   return [h("h3", {}, `All births (${report.events.length})`),
     h("div", { class: "scroll" }, h("table", { class: "nw-events", "aria-label": "every NaN/Inf birth; Enter shows one in the card" }, head, rows))];
