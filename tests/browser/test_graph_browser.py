@@ -355,3 +355,17 @@ def test_a_models_loss_opens_on_the_module_overview_all_in_view(lab) -> None:
     assert not cut, f"boxes of the first view cut off: {cut}"  # the first node (input side) included
     px = widget.locator(".tnd-graph-stage").evaluate(_LABEL_PX)
     assert px >= 9.5, f"labels drawn {px:.1f} px high"
+
+
+def test_a_narrow_panel_puts_the_details_under_the_graph(lab) -> None:
+    page = lab.run_notebook([SETUP, GRAPH], name="graph_narrow", viewport=(580, 1000))
+    widget = lab.output(page, 1).locator(".tnd-graph-widget")
+    expect(widget).to_be_visible()
+    widget.locator("g.node.param[data-id]").filter(has_text="weight").first.click()
+    details = widget.locator(".tnd-graph-details")
+    expect(details).to_contain_text("net.head.weight")
+    port, area = widget.locator(".tnd-graph-port").bounding_box(), widget.bounding_box()
+    assert port and area and port["width"] >= 0.9 * area["width"], (port, area)  # not squeezed beside the panel
+    assert details.bounding_box()["y"] >= port["y"] + port["height"] - 1
+    assert widget.evaluate("(w) => w.scrollWidth <= w.clientWidth + 1")
+    lab.screenshot(widget, "graph_narrow")

@@ -149,11 +149,14 @@ export default {
       ["#f6f0ff", "#8250df", "chunk of ops"], ["#ffebe9", "#cf222e", "first NaN/Inf"]]) {
       legend.append(h("span", {}, h("span", { class: "swatch", style: `background:${fill};border-color:${stroke}` }), label));
     }
-    legend.append(h("span", {}, "drag to pan · wheel to zoom · click a node for details · Tab, Enter and Space work too"));
+    legend.append(h("span", { style: "white-space:normal" },  // the one long key wraps in a narrow panel
+      "drag to pan · wheel to zoom · click a node for details · Tab, Enter and Space work too"));
     // data-lm-suppress-shortcuts: Enter/Space inside the view act on it, not on the notebook around it.
     const root = h("div", { class: "tnd tnd-graph-widget", "data-lm-suppress-shortcuts": "true" },
       h("style", {}, THEME), h("div", { class: "muted tnd-graph-summary" }), toolbar, legend,
-      h("div", { style: "display:flex;gap:8px;align-items:flex-start" }, h("div", { style: "flex:1;min-width:0" }, port), panel));
+      // In a narrow panel (~500 px) the details go under the graph instead of squeezing it.
+      h("div", { style: "display:flex;gap:8px;align-items:flex-start;flex-wrap:wrap" },
+        h("div", { style: "flex:1 1 320px;min-width:0" }, port), panel));
     el.append(root);
 
     const draw = () => {
