@@ -156,7 +156,9 @@ def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX
         name, obj, depth = queue.popleft()
         cls = type(obj)
         if id(obj) in seen:
-            if name.endswith("]") and variables.get(id(obj)):  # the variable is another container's element
+            old = variables.get(id(obj))
+            # the variable is an element of another container (not of itself: ``l.append(l)``)
+            if old and name.endswith("]") and not name.startswith((old + "[", old + ".")):
                 holders.rename(variables.pop(id(obj)), name)
             continue
         if cls in _ATOM_TYPES or issubclass(cls, _ATOMS):
