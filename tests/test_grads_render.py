@@ -152,3 +152,10 @@ def test_the_text_table_shows_whole_layer_class_names() -> None:
     block(torch.randn(2, 3, 8)).sum().backward()
     text = grads(block, name="block").text()
     assert "MultiheadAttention " in text and "MultiheadAtt " not in text
+
+
+def test_static_view_names_a_layer_as_the_widget_does() -> None:
+    trace = _trace(steps=3, layers=3)
+    page = render.html(trace, ())
+    assert "Layer #" in page and re.search(r"Layer #\d \(\d/3\): <code>m\.l\d</code>", page), \
+        "the static layer heading: layer #i (k/N), as the widget's panel and slider"

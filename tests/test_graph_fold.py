@@ -296,3 +296,24 @@ def test_magic_on_a_loss_from_an_earlier_cell_infers_modules(ipython) -> None:
     assert users == {"embedding": "gpt.transformer.wte", "t": "gpt.lm_head"}
     assert next(n.module for n in g.data.ops() if n.label == "mm") == "gpt.lm_head"
     assert "m:gpt.transformer.h" in g.shown()  # the three blocks: one closed box
+
+
+def test_a_models_loss_opens_on_its_module_overview_and_counts_say_what_they_count() -> None:
+    from torch_nbdebug.render.graph import OPEN_H, OPEN_W
+
+    torch.manual_seed(0)
+    gpt = TinyGPT()
+    loss = gpt(torch.randint(0, 50, (2, 5))).logsumexp(-1).mean()
+    g = graph(loss, names={"gpt": gpt, "loss": loss})
+    _, lay = g.view()
+    # seen whole at a readable zoom (graph.js: 11-px labels at >= 10 px in a viewport of <= 760 px)
+    assert lay.width * 10 / 11 <= 640 and lay.height * 10 / 11 <= 760 - 12, (lay.width, lay.height)
+    assert lay.width <= OPEN_W and lay.height <= OPEN_H
+    # the structure, not the last few ops: the transformer is open, its blocks one closed box
+    assert "m:gpt.transformer" in g.expanded and "m:gpt.transformer.h" in g.shown()
+    assert any(g.data.node(i).kind == "output" for i in g.shown() if i not in g.hierarchy.groups)
+    # a box counts what the header counts: autograd nodes
+    inside = sum(1 for n in g.data.ops() if (n.module or "").startswith("gpt.transformer.h."))
+    assert g.label("m:gpt.transformer.h")[1] == f"ModuleList · {inside} autograd nodes"
+    assert f"{len(g.data.ops())} autograd nodes" in g.data.summary()
+    assert g.details("m:gpt.transformer.h")["size"] == inside

@@ -398,3 +398,49 @@ def test_op_names_with_a_dimension_read_as_torch_spells_them() -> None:
     assert found == {"MaxPool2DWithIndicesBackward0": "max_pool2d_with_indices", "AvgPool2DBackward0": "avg_pool2d",
                      "AdaptiveAvgPool2DBackward0": "adaptive_avg_pool2d",
                      "UpsampleBilinear2DBackward0": "upsample_bilinear2d"}
+
+
+def test_nan_birth_is_marked_only_on_the_watched_model_and_says_where_from() -> None:
+    from torch_nbdebug.api.nanwatch import nanwatch
+
+    class Normalize(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / x.norm(dim=-1, keepdim=True)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = Normalize()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(x))
+
+    x = torch.randn(4, 3)
+    x[-1] = 0.0
+    model = Net()
+    with nanwatch(namespace={"model": model, "x": x}, backward=False) as report:
+        model(x).sum()
+    assert report.first is not None and report.first.module == "model.norm"
+    again = graph(model, x, names={"model": model, "x": x})  # the very model, run again: marked
+    assert [n.module for n in again.data.nodes if n.nan] == ["model.norm"]
+    assert again.data.nan_from.startswith("%%nanwatch")
+    assert "from %%nanwatch" in again.text()
+    marked = next(n for n in again.data.nodes if n.nan)
+    assert again.details(marked.id)["nan"].startswith("from %%nanwatch")
+    assert any("from %%nanwatch" in note for note in again.widget().notes)
+    repaired = Net()  # a new model with the same module paths: its graph is not red
+    fixed = graph(repaired, x, names={"model": repaired, "x": x})
+    assert not any(n.nan for n in fixed.data.nodes)
+    assert "#cf222e" not in fixed.svg()
+
+
+def test_nan_mark_names_the_cell_it_came_from(monkeypatch) -> None:
+    import torch_nbdebug.api.graph as api_graph
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(api_graph, "cell_number", lambda filename: 4 if filename == "/tmp/ipykernel_1/9.py" else None)
+    report = SimpleNamespace(summary=SimpleNamespace(cell_filename="/tmp/ipykernel_1/9.py"))
+    assert api_graph._origin(report) == "%%nanwatch, In [4]"
+    report = SimpleNamespace(summary=SimpleNamespace(cell_filename="/home/me/train.py"))
+    assert api_graph._origin(report) == "%%nanwatch, train.py"

@@ -180,3 +180,22 @@ def test_no_live_view_when_the_report_is_not_shown(shell: Any, cell: str, monkey
     assert shell.run_cell(cell + LOOP.format(tail="")).success
     assert shell.snapshots == []
     assert not any(s["transient"] for s in shell.display_pub.sent)
+
+
+def test_live_memory_view_follows_a_forward_only_loop(shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evaluation loop makes no optimizer step: the view showed "running · 0 steps" and nothing else."""
+    notebook(monkeypatch, shell)
+    loop = "losses = []\nwith torch.no_grad():\n    for i in range(10):\n        out = model(x)\n        losses.append(out)"
+    assert shell.run_cell("%%cudamem --no-lines\n" + loop).success
+    assert shell.snapshots, "no live update while the forward-only loop ran"
+    statuses = [s["status"] for s in shell.snapshots]
+    assert all(s["steps"] == 0 for s in shell.snapshots)  # no optimizer step: counted as none
+    assert "10 forward calls so far" in statuses[-1], statuses
+    assert shell.snapshots[-1]["panels"][0]["kind"] == "stack"  # bytes by category, while it ran
+    assert "10 iteration(s)" in shell.display_pub.sent[-1]["data"]["text/plain"]  # was "1 iteration(s)"
+    result = shell.run_cell("%%cudamem -o --no-lines\n" + loop)
+    timeline = result.result
+    shell.user_ns.pop("losses", None)
+    shell.user_ns.pop("out", None)
+    assert timeline.iterations == 10
+    assert [leak.holder for leak in timeline.leaks] == ["losses"]  # `out` is losses[9]: one card, not two

@@ -120,3 +120,15 @@ def test_loss_over_only_ignored_targets_gets_its_own_hint() -> None:
     with nanwatch() as report:
         torch.nn.functional.cross_entropy(logits, target)
     assert report.first.op == "aten.nll_loss_forward.default" and "ignore_index" in report.first.hint
+
+
+def test_numbers_are_written_one_way_exponent_from_1e5_or_below_1e_3() -> None:
+    from torch_nbdebug.data.nanwatch import LayerStats
+    from torch_nbdebug.data.stats import fmt_number
+    from torch_nbdebug.render.nanwatch import layers_html
+
+    assert [fmt_number(v) for v in (8.125e19, -5.136e21, 12345.6, 0.0012345, 1.5e-7, 0.0, 99999.9)] == \
+        ["8.125e+19", "-5.136e+21", "12350", "0.001234", "1.5e-07", "0", "1e+05"]
+    html = layers_html((LayerStats("model.encoder.0", 1, 8.125e19, -5.136e21, 3.0, True),))
+    assert "8.125e+19" in html and "81250000000000000000" not in html
+    assert "model.<wbr>encoder.<wbr>0" in html  # a long path may wrap at its dots

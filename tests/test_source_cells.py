@@ -68,3 +68,35 @@ def test_record_layer_does_not_import_ipython_for_cell_numbers() -> None:
             "assert 'IPython' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_line_label_names_the_cell_or_file_outside_the_current_cell() -> None:
+    from torch_nbdebug.data.source import line_label
+
+    cell = "/tmp/ipykernel_42/3270359850.py"
+    assert line_label(3, cell, cell=4, here=4) == "line 3"
+    assert line_label(3, cell, cell=2, here=4) == "In [2], line 3"
+    assert line_label(3, "/home/me/model.py", None, here=4) == "model.py, line 3"
+    assert line_label(3, cell, None, here=None) == "line 3"  # no numbers known: as before
+
+
+def test_nanwatch_card_says_which_cell_a_line_outside_it_is_in(ipython: Any) -> None:
+    """The birth in a module defined in an earlier cell: "line 3" there is not line 3 of this cell."""
+    ipython.run_cell("import torch\nfrom torch import nn\nclass Normalize(nn.Module):\n"
+                     "    def forward(self, x):\n        return x / x.norm(dim=-1, keepdim=True)\n"
+                     "model = Normalize()", store_history=True)
+    defined = ipython.execution_count - 1
+    result = ipython.run_cell("%%nanwatch -o\nx = torch.zeros(2, 3)\ny = model(x)\nz = torch.log(-x - 1)",
+                              store_history=True)
+    watched = ipython.execution_count - 1
+    report = result.result
+    ipython.user_ns.pop("model")
+    first, last = report.events[0], report.events[-1]
+    assert report.summary.cell == watched
+    assert report.summary.line_label(first) == f"In [{defined}], line 5"
+    assert report.summary.line_label(last) == "line 3"  # in the watched cell itself (its body)
+    text = report.text()
+    assert f"In [{defined}], line 5: return x / x.norm(dim=-1, keepdim=True)" in text
+    assert f"In [{defined}], line 5" in report.html() and ">line 3<" in report.html()
+    assert report.widget().report["cell"] == watched
+    assert f"NaN born in forward: aten.div.Tensor in model (In [{defined}], line 5)" in text

@@ -10,9 +10,13 @@
 # | `%graph` | `torch_nbdebug.graph(loss)` | the computation graph, by module, collapsible and searchable |
 # | `%grads`, `%%grads` | `torch_nbdebug.record_gradients(model)` | the gradient stepper: per-layer gradients, flags, flow plot |
 # | `%cudamem`, `%%cudamem` | `torch_nbdebug.memory_timeline()` | memory by category over time, the peak, and leaked tensors |
+# | `%explain`, `%%explain` | `torch_nbdebug.explain()` | why a PyTorch error happened, at which op, module and line, and the fix |
+# | `%%repro` | `torch_nbdebug.repro(fn)` | runs a cell twice from the same state: the first op whose result changed, and why |
+# | `%%monitor` | `torch_nbdebug.monitor("loss")` | training curves and per-layer gradient norms, live, with alerts |
 #
 # Every view is a live widget when a kernel runs it, and a static picture in the saved notebook.
-# This tour runs on a CPU in under a minute. We debug one small model from start to finish.
+# This tour runs on a CPU in under a minute. We debug one small model from start to finish: all seven
+# magics, in the order a bad day meets them.
 
 # %%
 import torch
@@ -167,6 +171,63 @@ assert list(held) == ["val_losses"] and held["val_losses"].has_graph  # the grap
 assert not fixed.leaks
 
 # %% [markdown]
+# ## `%%explain`: why this error, and where
+#
+# Once the extension is loaded, every PyTorch error gets one paragraph under its traceback. `%%explain`
+# runs a cell with a light recorder and, when it raises, shows the full card — the kind of error, the
+# op, the module as you write it, your line, the operands and the fix — and re-raises your exception
+# unchanged. (`%explain` on its own line shows the card for the last error, like `%debug`.) Here a new
+# head expects 32 features where the encoder makes 64:
+
+# %% tags=["raises-exception"]
+%%explain
+head = nn.Linear(32, 4)  # the encoder's last layer makes 64 features
+logits = head(model.encoder(model.norm(x)))
+
+# %%
+print(_explain.kind, "|", _explain.module, "|", _explain.summary)
+assert _explain.kind == "shape"
+
+# %% [markdown]
+# ## `%%repro`: same seed, different results — which op?
+#
+# `%%repro` runs the cell **twice from the same starting state** (model, optimizer and, unless
+# `--no-restore-rng`, the random generators) and compares the runs op by op. Here dropout draws fresh
+# random numbers in each run because the generators are not restored: the report names the op, its
+# module and line, the cause (`rng`) and the fix. Afterwards the state is as if the cell ran once.
+
+# %%
+%%repro --no-restore-rng
+loss = F.cross_entropy(F.dropout(model(x), p=0.2), y)
+optimizer.zero_grad()
+loss.backward()
+optimizer.step()
+
+# %%
+print("identical:", _repro.identical, "| cause:", _repro.cause, "| first op:", _repro.first.op)
+assert not _repro.identical and _repro.cause == "rng"
+
+# %% [markdown]
+# ## `%%monitor`: training curves, live
+#
+# `%%monitor` evaluates its expressions at every optimizer step and draws them live while the cell runs,
+# with each layer's gradient norm and update ratio; alerts (a non-finite value, a spike, a plateau, a
+# vanishing or exploding layer) are drawn on the curve and listed. The record stays in `_monitor`.
+
+# %%
+%%monitor loss, optimizer.param_groups[0]["lr"]
+for step in range(30):
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+# %%
+losses = _monitor["loss"]
+print(f"{len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; alerts: {len(_monitor.alerts)}")
+assert len(losses) == 30 and losses[-1] < losses[0]
+
+# %% [markdown]
 # ## Where next
 #
 # The teaching notebooks go deeper, one debugging skill each:
@@ -178,8 +239,9 @@ assert not fixed.leaks
 # * **05 · Memory** — allocated vs reserved, leaks, re-created models, `empty_cache`.
 # * **06 · Reproducibility and numerics** — seeds, determinism, epsilons, mixed precision.
 # * **07 · Code that debugs itself** — assertions, `assert_close`, `gradcheck`, structured logs.
+# * **08 · Monitoring training** — a run that diverges: *when* with `%%monitor`, *where* with `%%nanwatch`.
 #
-# Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`.
+# Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`, `%explain?`, `%repro?`, `%monitor?`.
 # %% [markdown]
 # ## Exercise: a NaN in attention
 #

@@ -94,3 +94,23 @@ def test_histogram_axis_labels_do_not_collide(lab) -> None:
     # Zero is still marked, by the dashed line (its tooltip says 0).
     expect(hist.locator("line[stroke-dasharray] title")).to_have_text("0")
     lab.screenshot(hist, "grads_hist_labels")
+
+
+
+def test_layers_and_steps_are_numbered_one_way(lab) -> None:
+    """A layer, like a step, is named from 0 (layer #1 is ``view.layer == 1``; step 3 had 3 steps before
+    it), then placed among the recorded ones (2/3): "layer #1 (2 of 3)" beside "2/3" read as two layers."""
+    page = lab.run_notebook([CELL], name="grads_numbering")
+    root = lab.output(page, 0).locator(".tnd-grads")
+    root.locator("button.tnd-next").click()
+    expect(root.locator(".tnd-layer-name")).to_have_text("2/3 net.2")
+    expect(root.locator(".tnd-layer-name")).to_have_attribute("title", "layer #1 (2/3): counted from 0; layer 2 of 3")
+    expect(root.locator(".tnd-detail")).to_contain_text("net.2 (Linear) — layer #1 (2/3)")
+    assert root.locator("svg.tnd-flow g.tnd-flow-layer").nth(1).get_attribute("aria-label") == "layer #1 (2/3): net.2"
+    expect(root.locator("svg.tnd-flow")).to_contain_text("layer # (from 0; click one)")
+    step = root.locator(".tnd-step-name")
+    expect(step).to_have_text("step 3 (4/4)")
+    expect(step).to_have_attribute("title", "step 3 (4/4): 3 optimizer steps completed before it (counted from 0); "
+                                            "recorded step 4 of 4")
+    expect(root.locator("input.tnd-layer-slider")).to_have_attribute("aria-valuetext", "layer #1 (2/3): net.2")
+    expect(root.locator("input.tnd-step-slider")).to_have_attribute("aria-valuetext", "step 3 (4/4)")

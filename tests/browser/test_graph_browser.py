@@ -245,3 +245,127 @@ def test_keyboard_opens_a_module_and_buttons_are_labelled(lab) -> None:
     page.keyboard.press(" ")
     expect(widget.locator(".tnd-graph-details table")).to_be_visible()
     expect(widget.locator("g.node.selected")).to_have_count(1)
+
+
+NAN_MODEL = """
+import torch
+from torch import nn
+%load_ext torch_nbdebug
+
+class Normalize(nn.Module):
+    def forward(self, x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = Normalize()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+x = torch.randn(3, 4)
+x[-1] = 0.0
+model = Net()
+"""
+
+
+def test_nan_mark_stays_red_inside_an_opened_module_and_says_where_from(lab) -> None:
+    page = lab.run_notebook([NAN_MODEL, "%%nanwatch\nloss = model(x).sum()", "%graph model --input x"],
+                            name="graph_nan_mark")
+    widget = lab.output(page, 2).locator(".tnd-graph-widget")
+    expect(widget).to_contain_text("from %%nanwatch, In [2]")  # where the red mark comes from
+    widget.locator("g.group.nan[data-id='m:model.norm']").click()
+    expect(widget.locator("g.cluster[data-id='m:model.norm']")).to_have_count(1)
+    marked = widget.locator("g.node.op.nan").first
+    expect(marked).to_contain_text("div")
+    fill = marked.locator("rect").first.evaluate("el => getComputedStyle(el).stroke")
+    r, g, b = _rgb(fill)
+    assert r > 150 and g < 90 and b < 90, f"the birth op is drawn {fill} once its module is open, not red"
+    lab.screenshot(widget, "graph_nan_opened")
+    marked.click()
+    expect(widget.locator(".tnd-graph-details")).to_contain_text("first birth here (from %%nanwatch, In [2])")
+    # a repaired model's graph is not red
+    fixed = lab.run_cell(page, "class Normalize(nn.Module):\n    def forward(self, x):\n"
+                               "        return nn.functional.normalize(x, dim=-1)\n\nmodel = Net()\n"
+                               "%graph model --input x")
+    expect(fixed.locator(".tnd-graph-widget g.node.output")).to_be_visible()
+    expect(fixed.locator(".tnd-graph-widget g.nan")).to_have_count(0)
+
+
+GPT_LOSS = """
+import torch
+from torch import nn
+from torch_nbdebug.magics.graph import MAGICS
+get_ipython().register_magics(MAGICS)
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        return h + self.proj(torch.relu(self.fc(self.ln(h))))
+
+class Body(nn.Module):
+    def __init__(self, d=8, n=6):
+        super().__init__()
+        self.wte = nn.Embedding(50, d)
+        self.wpe = nn.Embedding(16, d)
+        self.h = nn.ModuleList(Block(d) for _ in range(n))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = Body()
+        self.lm_head = nn.Linear(8, 50)
+
+    def forward(self, idx):
+        return self.lm_head(self.transformer(idx))
+
+gpt = GPT()
+idx = torch.randint(0, 50, (2, 5))
+loss = nn.functional.cross_entropy(gpt(idx).flatten(0, 1), idx.flatten())
+"""
+
+
+def test_a_models_loss_opens_on_the_module_overview_all_in_view(lab) -> None:
+    page = lab.run_notebook([GPT_LOSS, "%graph loss"], name="graph_overview")
+    widget = lab.output(page, 1).locator(".tnd-graph-widget")
+    expect(widget).to_be_visible()
+    page.wait_for_function("(el) => el.style.transform.includes('scale(')",
+                           arg=widget.locator(".tnd-graph-stage").element_handle())
+    port = widget.locator(".tnd-graph-port")
+    port.scroll_into_view_if_needed()
+    lab.screenshot(widget, "graph_overview")
+    expect(widget.locator("g.group[data-id='m:gpt.transformer.h']")).to_contain_text("autograd nodes")
+    boxes = widget.locator("g[data-id]:not(.cluster)")
+    assert boxes.count() >= 8
+    cut = [b.get_attribute("data-id") for b in boxes.all() if not _inside(b, port)]
+    assert not cut, f"boxes of the first view cut off: {cut}"  # the first node (input side) included
+    px = widget.locator(".tnd-graph-stage").evaluate(_LABEL_PX)
+    assert px >= 9.5, f"labels drawn {px:.1f} px high"
+
+
+def test_a_narrow_panel_puts_the_details_under_the_graph(lab) -> None:
+    page = lab.run_notebook([SETUP, GRAPH], name="graph_narrow", viewport=(580, 1000))
+    widget = lab.output(page, 1).locator(".tnd-graph-widget")
+    expect(widget).to_be_visible()
+    widget.locator("g.node.param[data-id]").filter(has_text="weight").first.click()
+    details = widget.locator(".tnd-graph-details")
+    expect(details).to_contain_text("net.head.weight")
+    port, area = widget.locator(".tnd-graph-port").bounding_box(), widget.bounding_box()
+    assert port and area and port["width"] >= 0.9 * area["width"], (port, area)  # not squeezed beside the panel
+    assert details.bounding_box()["y"] >= port["y"] + port["height"] - 1
+    assert widget.evaluate("(w) => w.scrollWidth <= w.clientWidth + 1")
+    lab.screenshot(widget, "graph_narrow")

@@ -77,3 +77,35 @@ def test_timeline_renders_and_zooms(lab) -> None:
     # -o made the timeline the cell's output: the kernel holds it as ``_``, with the leak found.
     expect(lab.run_cell(page, "print(type(_).__name__, _.leaks[0].holder, len(losses))")).to_contain_text(
         "MemoryTimeline losses 6")
+
+
+LEAKY = """%%cudamem --device cpu
+kept = []
+big = [torch.randn(256, 256) for _ in range(4)]  # larger than the leak, and freed
+for step in range(6):
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    kept.append(loss)
+del big
+"""
+
+
+def test_narrow_panel_keeps_chart_text_readable_and_leak_rows_first(lab) -> None:
+    """In a ~500 px panel the 760-px chart was shrunk (10-px labels drawn at ~6 px); the leak came last."""
+    page = lab.run_notebook([SETUP, LEAKY], name="memory_narrow", viewport=(580, 1000))
+    widget = lab.output(page, 1).locator(".tnd-memory-widget")
+    expect(widget).to_be_visible()
+    chart = widget.locator("svg.chart")
+    chart.scroll_into_view_if_needed()
+    sizes = chart.evaluate("""(svg) => [...svg.querySelectorAll('text')].map((t) =>
+        parseFloat(getComputedStyle(t).fontSize) * svg.getBoundingClientRect().width / svg.viewBox.baseVal.width)""")
+    assert sizes and min(sizes) >= 9.5, f"chart text drawn {min(sizes):.1f} px high in a narrow panel"
+    area = widget.evaluate("(w) => w.closest('.jp-OutputArea-output').clientWidth")
+    box = chart.bounding_box()
+    assert box is not None and box["width"] <= area + 1, (box, area)
+    lab.screenshot(widget, "memory_narrow")
+    # the leak first: its card above the table, its allocations the table's first rows, marked
+    card = widget.locator(".card").filter(has_text="Leak:").first
+    table = widget.locator("table.allocs")
+    assert card.bounding_box()["y"] < table.bounding_box()["y"]
+    expect(table.locator("tr.alloc").first).to_have_class(re.compile(r"\bleak\b"))
+    expect(table.locator("tr.alloc").first).to_contain_text("kept")

@@ -79,3 +79,56 @@ def test_backward_birth_card_names_the_forward_op_module_and_line(lab) -> None:
     expect(view).not_to_contain_text("[object")
     expect(view.locator(".nw-source .line.hl")).to_contain_text("return torch.sqrt(torch.relu(h))")
     lab.screenshot(view, "nanwatch_backward_card")
+
+
+HUGE = """
+import torch
+from torch import nn
+from torch_nbdebug.magics.nanwatch import MAGICS
+get_ipython().register_magics(MAGICS)
+
+class Amplifier(nn.Module):
+    def __init__(self, gain):
+        super().__init__()
+        self.gain = gain
+    def forward(self, x):
+        return x * self.gain
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_projection_block = nn.Sequential(nn.Linear(4, 4), Amplifier(8.125e19))
+        self.feed_forward_output_block = nn.Sequential(Amplifier(-63.2), nn.Tanh())
+    def forward(self, x):
+        return self.feed_forward_output_block(self.attention_projection_block(x))
+
+torch.manual_seed(0)
+encoder = Encoder()
+xb = torch.ones(8, 4)
+"""
+
+HUGE_WATCH = """%%nanwatch
+out = encoder(xb)
+loss = (out * 1e30).exp().sum()
+loss.backward()
+"""
+
+
+@pytest.mark.parametrize("width", [900, 580])
+def test_layer_table_writes_numbers_one_way_and_fits(lab, width: int) -> None:
+    """81250000000000000000 beside -5.136e+21 pushed the gradient columns out of a 900-px view."""
+    page = lab.run_notebook([HUGE, HUGE_WATCH], name=f"nanwatch_numbers_{width}", viewport=(width, 1000))
+    view = lab.output(page, 1).locator(".tnd-nanwatch")
+    table = view.locator("table.nw-layers")
+    expect(table).to_be_visible()
+    text = table.inner_text()
+    assert "e+19" in text and "e+21" in text, text  # an exponent from 1e5 up, as the statistics write it
+    assert not [t for t in text.split() if t.lstrip("-").replace(".", "").isdigit() and len(t) > 8], text
+    scroller = table.locator("xpath=..")
+    scroller.scroll_into_view_if_needed()
+    fits = scroller.evaluate("e => [e.scrollWidth, e.clientWidth]")
+    lab.screenshot(view, f"nanwatch_numbers_{width}")
+    assert fits[0] <= fits[1] + 1, f"the layer table scrolls sideways at {width} px: {fits}"
+    last = table.locator("tr").last.locator("td").last
+    box, area = last.bounding_box(), scroller.bounding_box()
+    assert box and area and box["x"] + box["width"] <= area["x"] + area["width"] + 1  # the gradient's mean shows

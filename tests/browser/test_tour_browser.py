@@ -95,5 +95,19 @@ def test_tour_runs_and_every_widget_responds(lab) -> None:
     assert lo <= lo2 < hi2 < hi, (lo, hi, lo2, hi2)
     lab.screenshot(memory, "tour_memory_zoomed")
 
+    # %%explain: the card names the kind and the module as the user wrote it; %%repro names the op and
+    # the cause; %%monitor draws the loss.
+    explain = lab.output(page, _cell_index("%%explain")).locator(".tnd-explain-view")
+    expect(explain).to_be_visible()
+    expect(explain.locator(".tnd-explain-title")).to_contain_text("head")
+    lab.screenshot(explain, "tour_explain")
+    repro = lab.output(page, _cell_index("%%repro --no-restore-rng"))
+    expect(repro.locator(".tnd-repro").first).to_contain_text("rng")
+    expect(repro.locator(".tnd-repro").first).to_contain_text("bernoulli")
+    monitor = lab.output(page, _cell_index('%%monitor loss, optimizer.param_groups[0]["lr"]')).locator(".tnd-monitor")
+    expect(monitor.first).to_be_visible()
+    expect(monitor.first).to_contain_text("loss")
+    lab.screenshot(monitor.first, "tour_monitor")
+
     # The notebook's own assertions ran in this kernel too; one more look from the kernel's side.
     expect(lab.run_cell(page, "print(_nanwatch.first.module, len(val_losses))")).to_contain_text("model.norm 4")

@@ -6,14 +6,17 @@ exception passes through unchanged (a ``NanBirthError`` from ``raise_on_birth`` 
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Iterator, Mapping, Optional
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
 from torch_nbdebug.record.compiled import CompiledCode
+from torch_nbdebug.record.modules import module_at, module_roots
 from torch_nbdebug.record.nanwatch import NanRecorder
-from torch_nbdebug.record.source import UserNamespace, caller_frame, caller_namespace, cell_source, skipped_note
+from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
+                                        running_cell_number, skipped_note)
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanBirthError"]
@@ -33,6 +36,9 @@ class NanReport(Displayable):
     def __init__(self, summary: Optional[NanSummary] = None) -> None:
         self.summary = summary if summary is not None else NanSummary()
         self.finished = summary is not None
+        # The module the first birth was in (weakly: %graph marks the birth only on this very model)
+        self.birth_module: Optional[weakref.ref] = None
+        self.cell: Optional[int] = None  # the notebook cell that ran the watch (In [4]), when known
 
     @property
     def events(self) -> tuple[NanEvent, ...]:
@@ -128,6 +134,8 @@ class NanWatch:
             except Exception as err:  # noqa: BLE001 - never replace the user's exception with ours
                 summary = NanSummary(notes=(f"nanwatch could not build its report: {type(err).__name__}: {err}",))
             self.report.summary, self.report.finished = summary, True
+            self.report.birth_module = _birth_module(self._live, summary.first)
+            self.report.cell = running_cell_number()
             _last = self.report
             self._live.release()  # keep neither the caller's frame nor its locals
             self._recorder.namespace = None
@@ -148,7 +156,15 @@ class NanWatch:
                                   notes=tuple(notes), options=dict(self.options))
         rec.layers.clear()
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
-        return _with_source(summary, filename)
+        return _with_cells(_with_source(summary, filename))
+
+
+def _birth_module(namespace: Mapping[str, Any], first: Optional[NanEvent]) -> Optional[weakref.ref]:
+    try:
+        module = module_at(module_roots(namespace), first.module) if first is not None and first.module else None
+        return weakref.ref(module) if module is not None else None
+    except Exception:  # noqa: BLE001 - an odd namespace never costs the user their report
+        return None
 
 
 def _complete_error(exc: NanBirthError, report: NanReport) -> None:
@@ -177,6 +193,16 @@ def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
             sources[event.filename] = _source_window(event.filename, event.lineno)
     return dataclasses.replace(summary, cell_filename=filename, cell_source=text, source_first_line=first_line,
                                sources=tuple((name, first, src) for name, (first, src) in sources.items() if src))
+
+
+def _with_cells(summary: NanSummary) -> NanSummary:
+    """The cell the watch ran in and each event's cell, so a view says ``In [2], line 3`` for a line
+    that is not in the cell it is shown under."""
+    import dataclasses
+
+    files = {e.filename for e in summary.events + summary.absorbed if e.filename}
+    cells = tuple((name, number) for name in sorted(files) if (number := cell_number(name)) is not None)
+    return dataclasses.replace(summary, cell=running_cell_number(), cells=cells)
 
 
 def _source_window(filename: str, lineno: Optional[int]) -> tuple[int, str]:

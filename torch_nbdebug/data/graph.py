@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from torch_nbdebug.data.stats import fmt_number
+
 # Node kinds. "op" is an autograd Node (``AddmmBackward0``); "param" is a parameter's
 # AccumulateGrad leaf; "input" any other leaf that requires grad; "output" the tensor graphed.
 NODE_KINDS = ("op", "param", "input", "output")
@@ -42,9 +44,9 @@ class GradInfo:
     nonfinite: int = 0
 
     def brief(self) -> str:
-        text = f"‖grad‖={self.norm:.4g}"
+        text = f"‖grad‖={fmt_number(self.norm)}"
         if self.min is not None and self.max is not None:
-            text += f" [{self.min:.3g}, {self.max:.3g}]"
+            text += f" [{fmt_number(self.min, 3)}, {fmt_number(self.max, 3)}]"
         if self.nonfinite:
             text += f" {self.nonfinite} non-finite"
         return text
@@ -98,6 +100,7 @@ class GraphData:
     source: str = "autograd"  # "recorded" when a forward ran under the recorder, "inferred" otherwise
     notes: tuple[str, ...] = ()
     truncated: bool = False
+    nan_from: str = ""  # where the marked birth was found: "%%nanwatch, In [4]"
     _index: dict[str, GraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, node_id: str) -> GraphNode:
@@ -137,7 +140,7 @@ class GraphData:
     def to_dict(self) -> dict[str, Any]:
         return {
             "title": self.title, "source": self.source, "notes": list(self.notes), "truncated": self.truncated,
-            "nodes": [_node_dict(n) for n in self.nodes],
+            "nan_from": self.nan_from, "nodes": [_node_dict(n) for n in self.nodes],
             "edges": [[e.src, e.dst] for e in self.edges],
             "modules": [asdict(m) for m in self.modules],
         }
@@ -153,6 +156,7 @@ class GraphData:
             modules=tuple(ModuleInfo(**m) for m in data.get("modules", ())),
             title=data.get("title", "graph"), source=data.get("source", "autograd"),
             notes=tuple(data.get("notes", ())), truncated=bool(data.get("truncated", False)),
+            nan_from=str(data.get("nan_from", "")),
         )
 
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
+from torch_nbdebug.data.source import line_label
 from torch_nbdebug.data.stats import TensorStats
 
 Phase = Literal["forward", "backward", "optimizer", "input"]
@@ -105,17 +106,18 @@ class NanEvent:
             parts.append(f"parameter {self.param}")
         return " ".join(parts) or "outside any module"
 
-    def title(self) -> str:
-        """One line: ``NaN born in forward: aten.log.default in model.fc (line 3)``."""
+    def title(self, line: Optional[str] = None) -> str:
+        """One line: ``NaN born in forward: aten.log.default in model.fc (line 3)``; ``line`` names the line
+        otherwise (``In [2], line 3``: see :meth:`NanSummary.line_label`)."""
         what = "NaN" if self.kind == "nan" else "Inf"
         if self.phase == "input" and self.param:
             carrier = f"{self.param_kind or 'parameter'} {self.param}"
-            return f"{what} already in {carrier}, first used by {self.op}" + _at(self)
+            return f"{what} already in {carrier}, first used by {self.op}" + _at(self, line)
         if self.phase == "input":
-            return f"{what} already in the input data, first used by {self.op}" + _at(self)
+            return f"{what} already in the input data, first used by {self.op}" + _at(self, line)
         if self.phase == "optimizer":
             return f"{what} born in optimizer step {self.iteration}: {self.param or '?'} ({self.op})"
-        return f"{what} born in {self.phase}: {self.op}" + _at(self)
+        return f"{what} born in {self.phase}: {self.op}" + _at(self, line)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -125,12 +127,12 @@ class NanEvent:
         return data
 
 
-def _at(event: NanEvent) -> str:
+def _at(event: NanEvent, line: Optional[str] = None) -> str:
     bits = []
     if event.module:
         bits.append(f"in {event.module}")
     if event.lineno is not None:
-        bits.append(f"(line {event.lineno})")
+        bits.append(f"({line or f'line {event.lineno}'})")
     return (" " + " ".join(bits)) if bits else ""
 
 
@@ -175,6 +177,16 @@ class NanSummary:
     source_first_line: int = 1
     sources: tuple[tuple[str, int, str], ...] = ()  # (filename, first line, text) of every event's file
     options: dict[str, Any] = field(default_factory=dict)
+    cell: Optional[int] = None  # the notebook cell the watch ran in (In [4]), when known
+    cells: tuple[tuple[str, int], ...] = ()  # (filename, In [n]) of every event's notebook cell
+
+    def _event_dict(self, event: "NanEvent") -> dict[str, Any]:
+        return {**event.to_dict(), "title": event.title(self.line_label(event))}
+
+    def line_label(self, event: "NanEvent") -> str:
+        """``line 3`` in the watched cell, ``In [2], line 3`` in another, ``model.py, line 3`` in a file."""
+        cell = dict(self.cells).get(event.filename or "")
+        return line_label(event.lineno or 0, event.filename, cell, self.cell)
 
     @property
     def first(self) -> Optional[NanEvent]:
@@ -194,8 +206,8 @@ class NanSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "events": [e.to_dict() for e in self.events],
-            "absorbed": [e.to_dict() for e in self.absorbed],
+            "events": [self._event_dict(e) for e in self.events],
+            "absorbed": [self._event_dict(e) for e in self.absorbed],
             "layers": [layer.to_dict() for layer in self.layers],
             "mode": self.mode,
             "ops_seen": self.ops_seen,
@@ -207,4 +219,6 @@ class NanSummary:
             "source_first_line": self.source_first_line,
             "sources": {name: {"first_line": first, "text": text} for name, first, text in self.sources},
             "options": dict(self.options),
+            "cell": self.cell,
+            "cells": {name: number for name, number in self.cells},
         }

@@ -1,6 +1,7 @@
 """Where in the user's own code something happened."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -9,6 +10,21 @@ def is_cell_file(filename: str) -> bool:
     """Whether ``filename`` is a name IPython gave a notebook cell (its temp file names mean nothing
     to users: ``/tmp/ipykernel_42/3270359850.py``, ``<ipython-input-7-...>``)."""
     return "ipykernel_" in filename or filename.startswith("<ipython-input")
+
+
+def line_label(lineno: int, filename: Optional[str], cell: Optional[int] = None,
+               here: Optional[int] = None) -> str:
+    """How a view names a line: ``line 3`` in the cell the view is under (execution count ``here``),
+    else ``In [2], line 3`` (another numbered cell), ``another cell, line 3`` or ``train.py, line 3``.
+
+    Without cell numbers (no IPython), a notebook cell's line is ``line 3`` as before."""
+    if cell is not None and cell == here:
+        return f"line {lineno}"
+    if cell is not None:
+        return f"In [{cell}], line {lineno}"
+    if not filename or is_cell_file(filename):
+        return f"line {lineno}" if here is None or not filename else f"another cell, line {lineno}"
+    return f"{os.path.basename(filename)}, line {lineno}"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Summary statistics of one tensor, kept instead of the tensor itself."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -56,5 +57,17 @@ class TensorStats:
         return data
 
 
+def fmt_number(value: float, digits: int = 4) -> str:
+    """The one way every view writes a statistic: plain from 1e-3 up to 1e5 (``digits`` significant
+    digits: ``0.001234``, ``12340``), with an exponent outside (``8.125e+19``, ``-5.136e+21``, ``1.5e-07``)."""
+    if not math.isfinite(value):
+        return str(value)  # nan, inf, -inf
+    rounded = float(f"{value:.{digits}g}")
+    if value == 0 or 1e-3 <= abs(rounded) < 1e5:
+        return f"{rounded:g}"
+    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
+
+
 def _fmt(value: float) -> str:
-    return f"{value:.4g}"
+    return fmt_number(value)

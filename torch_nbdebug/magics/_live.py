@@ -14,7 +14,8 @@ from typing import Any, Optional
 import numpy as np
 
 from torch_nbdebug.data.memory import CATEGORIES, CATEGORY_LABELS
-from torch_nbdebug.render.live import MAX_POINTS, LinesPanel, Progress, Series, StackPanel, TablePanel
+from torch_nbdebug.render import live as live_views
+from torch_nbdebug.render.live import MAX_POINTS, LinesPanel, Progress, RateLimiter, Series, StackPanel, TablePanel
 
 MAX_ROWS = 10     # births listed in the live table (the final report lists them all)
 MAX_LAYERS = 12   # layer curves sent besides the whole model's (spread over the model's depth)
@@ -107,7 +108,9 @@ class GradsProgress:
 
 
 class MemoryProgress:
-    """Bytes alive by category, sampled at each update (time in seconds since the recording started)."""
+    """Bytes alive by category, sampled at each update (time in seconds since the recording started),
+    and the model calls so far. Updates come at optimizer steps and at top-level forward calls, so a
+    forward-only loop (evaluation) is shown while it runs too (see :meth:`follow_forward`)."""
 
     def __init__(self, scope: Any) -> None:
         self._scope = scope
@@ -129,8 +132,18 @@ class MemoryProgress:
                   for i, c in enumerate(CATEGORIES)]
         panel = StackPanel(kind="stack", title="Memory by category", x=list(self._times), xlabel="seconds",
                            series=series, unit="bytes")
-        return Progress(status=f"{_size(sum(totals))} alive now (highest sampled: {_size(self._peak)})",
-                        panels=[panel])
+        calls = getattr(rec, "forward_calls", 0)
+        return Progress(status=f"{_size(sum(totals))} alive now (highest sampled: {_size(self._peak)}); "
+                               f"{_plural(calls, 'forward call')} so far", panels=[panel])
+
+    def follow_forward(self, live: Any) -> None:
+        """Update ``live`` at the recorder's top-level forward calls when an update is due (a forward-only
+        loop makes no optimizer step to tick it). Call once recording has started."""
+        rec = _recorder(self._scope)
+        if rec is None or not getattr(live, "active", False):
+            return
+        limiter = RateLimiter(live_views.DEFAULT_INTERVAL)  # read now: the live display's own interval
+        rec.on_forward = lambda: live.update() if limiter.due() else None
 
 
 def _size(n: float) -> str:

@@ -53,11 +53,12 @@ class MemoryMagics(Magics):
                                     record_lines=not args.no_lines)
         except InputError as exc:
             raise UsageError(str(exc)) from None
-        tl, finished = None, False
-        with live_view(self.shell, "%%cudamem", MemoryProgress(scope), display,
+        tl, finished, progress = None, False, MemoryProgress(scope)
+        with live_view(self.shell, "%%cudamem", progress, display,
                        enabled=not args.output) as live:  # -o returns the timeline instead of showing it
             try:
                 with scope as tl:
+                    progress.follow_forward(live)  # an evaluation loop makes no optimizer step
                     body.run()  # like %%timeit: the timeline is shown, not the cell's value
                 finished = True
             finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from torch_nbdebug.data.graph import GraphData
 
@@ -35,7 +35,7 @@ class Group:
     parent: str  # ROOT for top level
     path: Optional[str] = None
     type_name: str = ""
-    size: int = 0  # graph nodes inside, at any depth
+    size: int = 0  # autograd nodes (ops) inside, at any depth: the unit of the graph's summary
     repeat: Optional[str] = None  # "0..11 ×12 Block": the group is a run of identical siblings
 
 
@@ -209,7 +209,7 @@ def _fill_first(groups: dict[str, Group], parent: dict[str, str], first: dict[st
 
 def _sizes(data: GraphData, parent: dict[str, str]) -> dict[str, int]:
     sizes: dict[str, int] = {}
-    for node in data.nodes:
+    for node in data.ops():
         cur = parent.get(node.id, ROOT)
         while cur != ROOT:
             sizes[cur] = sizes.get(cur, 0) + 1
@@ -256,23 +256,35 @@ def _run_label(mods: list[Group]) -> Optional[str]:
     return f"{stem + '.' if stem else ''}{names[0]}..{names[-1]}"
 
 
-def auto_expand(hier: Hierarchy, budget: int = AUTO_BUDGET) -> frozenset[str]:
-    """Open groups breadth-first while the view stays under ``budget`` items.
+def auto_expand(hier: Hierarchy, budget: int = AUTO_BUDGET,
+                fits: Optional[Callable[[frozenset[str]], bool]] = None) -> frozenset[str]:
+    """Open groups breadth-first while the view stays under ``budget`` items (and, given ``fits``,
+    while the view still fits the screen at a readable zoom: a model's loss opens on its module
+    overview rather than on a long column whose first screen is the last few nodes).
 
     A repeated group (``blocks.0..3 ×4 Block``) stays closed: it reads best as one box, and opening
-    it is one click. It opens only when it would be the one thing shown.
+    it is one click. It opens only when it would be the one thing shown. With ``fits``, groups holding
+    sub-modules open first (the model's structure), then leaf modules (their ops) while there is room.
     """
     expanded: set[str] = set()
     shown = len(hier.items[ROOT])
-    queue = [i for i in hier.items[ROOT] if i in hier.groups]
-    while queue:
-        gid = queue.pop(0)
-        cost = len(hier.items[gid]) - 1
-        if shown + cost > budget or (hier.groups[gid].repeat and shown > 1):
-            continue
-        expanded.add(gid)
-        shown += cost
-        queue.extend(i for i in hier.items[gid] if i in hier.groups)
+    for structure_only in ((True, False) if fits is not None else (False,)):
+        queue = [i for i in hier.items[ROOT] if i in hier.groups]
+        while queue:
+            gid = queue.pop(0)
+            if gid in expanded:
+                queue.extend(i for i in hier.items[gid] if i in hier.groups)
+                continue
+            cost = len(hier.items[gid]) - 1
+            if shown + cost > budget or (hier.groups[gid].repeat and shown > 1):
+                continue
+            if structure_only and not (hier.groups[gid].kind == "chunk" or _modules_in(hier, gid)):
+                continue
+            if fits is not None and shown > 1 and not fits(frozenset(expanded | {gid})):
+                continue
+            expanded.add(gid)
+            shown += cost
+            queue.extend(i for i in hier.items[gid] if i in hier.groups)
     return frozenset(expanded)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch_nbdebug.data.graph import GraphData, GraphNode
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.process.graph import Hierarchy
 
 
@@ -58,7 +59,7 @@ def details(data: GraphData, hier: Hierarchy, item: str) -> dict[str, Any]:
         "shape": shape_text(node.shape, node.dtype), "module": node.module or "",
         "outputs": [shape_text(s, d) for s, d in node.outputs],
         "saved": [s.brief() for s in node.saved], "seq": node.seq,
-        "grad": node.grad.brief() if node.grad else "", "nan": node.nan,
+        "grad": node.grad.brief() if node.grad else "", "nan": _nan_from(data) if node.nan else "",
         "aliases": [a for a in node.aliases if a != node.label],  # a tied weight's other names
     }
     preds = [e.src for e in data.edges if e.dst == item]
@@ -82,9 +83,14 @@ def _group_details(data: GraphData, hier: Hierarchy, gid: str) -> dict[str, Any]
     return {
         "id": gid, "kind": "group", "label": g.label, "module": g.path or "", "type": g.type_name,
         "repeat": g.repeat or "", "size": g.size, "params": len(params), "numel": numel,
-        "grad": f"‖grad‖={sum(n * n for n in norms) ** 0.5:.4g} over {len(norms)} parameters" if norms else "",
-        "nan": any(data.node(n).nan for n in inside),
+        "grad": f"‖grad‖={fmt_number(sum(n * n for n in norms) ** 0.5)} over {len(norms)} parameters" if norms else "",
+        "nan": _nan_from(data) if any(data.node(n).nan for n in inside) else "",
     }
+
+
+def _nan_from(data: GraphData) -> str:
+    """Where a marked birth was found, for the panel: ``from %%nanwatch, In [4]``."""
+    return f"from {data.nan_from or '%%nanwatch'}"
 
 
 def _nodes_inside(hier: Hierarchy, gid: str) -> list[str]:

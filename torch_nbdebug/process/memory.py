@@ -180,6 +180,12 @@ def _leak(holder: str, members: list[Allocation], kept: list[Allocation]) -> Lea
                 allocation_ids=tuple(m.id for m in everything), note=note)
 
 
+def leaks_first(allocations: Sequence[Allocation], leaks: Sequence[Leak]) -> list[Allocation]:
+    """The allocations of a detected leak first (the finding), each group in its given order."""
+    leaked = {i for leak in leaks for i in leak.allocation_ids}
+    return sorted(allocations, key=lambda a: a.id not in leaked)
+
+
 def decimate(totals: np.ndarray, max_points: int) -> np.ndarray:
     """Indices of at most ``max_points`` samples keeping each bucket's minimum and maximum.
 
@@ -216,7 +222,8 @@ def window(tl: MemoryTimeline, lo: int, hi: int, max_points: int = 1200, top: in
         "reserved": None if tl.reserved is None else tl.reserved[idx].tolist(),
         "phases": [p.to_dict() for p in tl.phases if p.end >= lo and p.start <= hi][:2000],
         "local_peak": {"step": local_peak, "bytes": int(tl.totals[local_peak]),
-                       "allocations": [a.to_dict() for a in alive_at(tl.allocations, local_peak, top, spans)]},
+                       "allocations": [a.to_dict() for a in leaks_first(alive_at(tl.allocations, local_peak, top, spans),
+                                                                         tl.leaks)]},
     }
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from typing import AbstractSet, Any, Iterable, Mapping, Optional
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -113,6 +113,10 @@ class MemoryRecorder:
         self._live: dict[int, int] = {}  # storage key -> allocation id
         self._log: list[int] = []  # (event code, time ns, phase) flattened: see _event
         self._iterations: list[int] = []
+        self._iteration_modules: set[int] = set()  # top-level modules called in the current iteration
+        self._trained = False  # a backward or optimizer step ran: they, not repeated calls, mark iterations
+        self.forward_calls = 0  # top-level module calls so far (read by a live view)
+        self.on_forward: Optional[Callable[[], None]] = None  # called at each of them (a live view's update)
         self._in_optimizer = 0
         self._forward_pending = False  # graph-building forward allocations not yet classified
         self._last_phase = IDLE
@@ -321,8 +325,10 @@ class MemoryRecorder:
         """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
         that extends the graph, like a loss computed outside the model), else idle."""
         if self._in_optimizer:
+            self._trained = True
             return OPTIMIZER
         if node is not None:
+            self._trained = True
             if self._forward_pending:
                 self._promote_saved()
             return BACKWARD
@@ -372,9 +378,20 @@ class MemoryRecorder:
         self._frees.drain()
         if len(self._tracker.stack) == 1:
             self._modules[module] = None
-            # (a forward run again by the backward, gradient checkpointing's, is no new iteration)
-            if (self._last_phase != FORWARD or not self._iterations) and current_autograd_node() is None:
+            # A new iteration: after a backward/optimizer phase, or (a forward-only loop, evaluation)
+            # when a top-level module is called again. A forward run again by the backward (gradient
+            # checkpointing's) is no new iteration.
+            again = not self._trained and id(module) in self._iteration_modules
+            if (self._last_phase != FORWARD or not self._iterations or again) and current_autograd_node() is None:
                 self._iterations.append(len(self._log) // 3)
+                self._iteration_modules.clear()
+            self._iteration_modules.add(id(module))
+            self.forward_calls += 1
+            if self.on_forward is not None:
+                try:
+                    self.on_forward()
+                except Exception:  # noqa: BLE001 - a live view must never break the user's code
+                    self.on_forward = None
         self._classify_tensors(module._parameters.values(), PARAM)
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

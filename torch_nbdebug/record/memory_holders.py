@@ -48,7 +48,13 @@ class Holders:
         self._graph_roots: list[tuple[str, Any]] = []  # (holder name, grad_fn); dropped by name_saved
 
     def add(self, key: Optional[int], name: str, tensor: torch.Tensor) -> None:
-        if key is None or key in self.names:
+        if key is None:
+            return
+        old = self.names.get(key)
+        if old is not None:
+            if old.isidentifier() and "[" in name:  # ``loss`` is also ``losses[9]``: the list holds it, one leak
+                self.names[key] = name
+                self._graph_roots = [(name if held == old else held, fn) for held, fn in self._graph_roots]
             return
         self.names[key] = name
         grad_fn = tensor.grad_fn
@@ -57,6 +63,14 @@ class Holders:
             self._graph_roots.append((name, grad_fn))
         if self._on_new is not None and key not in self._known and _countable(tensor):
             self._on_new(key, tensor)
+
+    def rename(self, old: str, new: str) -> None:
+        """Names under the variable ``old`` (``batch[3]``) move under ``new`` (``epochs[0][3]``): the
+        variable is an element of another holder's container, which holds the tensors: one leak."""
+        def moved(name: str) -> str:
+            return new + name[len(old):] if name == old or name.startswith((old + "[", old + ".")) else name
+        self.names = {key: moved(name) for key, name in self.names.items()}
+        self._graph_roots = [(moved(name), fn) for name, fn in self._graph_roots]
 
     def get(self, key: int) -> Optional[str]:
         return self.names.get(key)
@@ -137,11 +151,20 @@ def find_holders(namespace: Optional[Mapping[str, Any]], *, max_depth: int = MAX
     param_names = _parameter_names(items) if named else {}
     queue: deque[tuple[str, Any, int]] = deque((k, v, 0) for k, v in items)
     seen: set[int] = {id(namespace)} | view.mapping_ids()  # ``ns = globals()`` must not name all ``ns[...]``
+    variables: dict[int, str] = {}  # id of a container bound to a variable -> the variable's name
     while queue and len(seen) < MAX_VISITS:
         name, obj, depth = queue.popleft()
         cls = type(obj)
-        if id(obj) in seen or cls in _ATOM_TYPES or issubclass(cls, _ATOMS):
+        if id(obj) in seen:
+            old = variables.get(id(obj))
+            # the variable is an element of another container (not of itself: ``l.append(l)``)
+            if old and name.endswith("]") and not name.startswith((old + "[", old + ".")):
+                holders.rename(variables.pop(id(obj)), name)
             continue
+        if cls in _ATOM_TYPES or issubclass(cls, _ATOMS):
+            continue
+        if depth == 0 and issubclass(cls, (list, tuple, dict)):
+            variables[id(obj)] = name
         seen.add(id(obj))
         if issubclass(cls, torch.Tensor):
             _add_tensor(holders, name, obj, view)

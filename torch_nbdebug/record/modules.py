@@ -73,6 +73,17 @@ def qualified_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
     return names
 
 
+def module_at(roots: Iterable[tuple[str, nn.Module]], path: str) -> Optional[nn.Module]:
+    """The module a user-facing path (``model.norm``) names among ``roots``, or None."""
+    for root_name, root in roots:
+        if path == root_name or path.startswith(root_name + "."):
+            sub = path[len(root_name) + 1:]
+            found = next((m for name, m in _safely(user_named_modules, root) if name == sub), None)
+            if found is not None:
+                return found
+    return None
+
+
 def parameter_names(roots: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:
     """Map ``id(parameter)`` to ``model.fc.weight``; shared parameters keep their first name."""
     names: dict[int, str] = {}

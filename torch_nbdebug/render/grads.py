@@ -130,7 +130,7 @@ def _draw_flow(fig: Any, trace: GradTrace, step: int, flags: tuple[Flag, ...]) -
     every = 1 if n <= 40 else max(1, n // 20)
     ax.set_xticks(xs[::every], [str(i) for i in xs[::every]])
     ax.set_xlim(-0.6, n - 0.4)
-    ax.set_xlabel("layer # (as in the table)" + ("; ! = flagged" if by_layer else ""), labelpad=10 if by_layer else 4)
+    ax.set_xlabel("layer # (from 0, as in the table)" + ("; ! = flagged" if by_layer else ""), labelpad=10 if by_layer else 4)
     ax.set_ylabel("|gradient| (log)")
     ax.grid(axis="y", color="#eaeef2", linewidth=0.8)
     ax.set_axisbelow(True)
@@ -199,7 +199,7 @@ def _draw_heatmap(fig: Any, trace: GradTrace, rgb: np.ndarray, lo: float, hi: fl
     first, last = trace.steps[0], trace.steps[-1]
     ax.imshow(rgb, aspect="auto", interpolation="nearest", extent=(first - 0.5, last + 0.5, n_l - 0.5, -0.5))
     ax.set_xlabel("step")
-    ax.set_ylabel("layer #")
+    ax.set_ylabel("layer # (from 0)")
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.xaxis.get_major_locator().set_params(integer=True)
     cax = fig.add_axes((0.83, 48 / height, 0.025, 1 - 60 / height))
@@ -310,7 +310,8 @@ def _layer_table_html(trace: GradTrace, flags: tuple[Flag, ...], step: int, curr
 def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Flag, ...] = ()) -> str:
     lg = trace.layer(layer, step)
     mine = [f for f in flags if f.step == step and f.layer == layer]
-    parts = [f"<h3>Layer #{layer}: <code>{esc(lg.name)}</code> ({esc(lg.info.kind)})</h3>"]
+    parts = [f"<h3>Layer #{layer} ({layer + 1}/{len(trace.layers)}): <code>{esc(lg.name)}</code> "
+             f"({esc(lg.info.kind)})</h3>"]
     parts += [f"<p>{_flag_text(f)}</p>" for f in mine]
     rows, hists = [], []
     for p in lg.params:

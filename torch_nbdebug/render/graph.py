@@ -13,6 +13,7 @@ from typing import Any, Optional
 import traitlets
 
 from torch_nbdebug.data.graph import GraphData
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process import graph as pg
 from torch_nbdebug.process.graph_details import details, group_label, node_label, search, shape_text
@@ -22,6 +23,10 @@ from torch_nbdebug.render.html import bad, esc, muted, swatch, table
 from torch_nbdebug.render.widget import View, esm_path
 
 CHAR_W = 6.8
+# The first view fits the widget's viewport (at most 760 px high, ~640 px wide beside the details panel
+# in a 900 px output area) at graph.js's readable zoom (labels of 11 px drawn at >= 10 px).
+READABLE = 10 / 11
+OPEN_W, OPEN_H = 640 / READABLE, (760 - 12) / READABLE
 NODE_H = 34.0
 GROUP_H = 42.0
 COLORS = {  # fill, stroke: presentation attributes so the SVG looks right with no CSS
@@ -53,8 +58,18 @@ def graph_alt(ex: "GraphExplorer", vg: pg.ViewGraph) -> str:
     names = [ex.label(i)[0] for i in ex.shown()]
     listed = ", ".join(names[:24]) + (f", … {len(names) - 24} more" if len(names) > 24 else "")
     marked = [n for n in ex.data.nodes if n.nan]
-    nan = f"; first NaN/Inf at {marked[0].label}" if marked else ""
+    origin = f" (from {ex.data.nan_from})" if ex.data.nan_from else ""
+    nan = f"; first NaN/Inf at {marked[0].label}{origin}" if marked else ""
     return f"computation graph ({ex.data.summary()}); boxes shown: {listed}{nan}"
+
+
+def nan_note(data: GraphData) -> list[str]:
+    """The note naming where the red birth mark comes from (none when nothing is marked)."""
+    marked = next((n for n in data.nodes if n.nan), None)
+    if marked is None:
+        return []
+    return [f"red: the first NaN/Inf was born at {marked.label} ({marked.module or 'no module'}), "
+            f"from {data.nan_from or '%%nanwatch'}"]
 
 
 def items_html(ex: "GraphExplorer", vg: pg.ViewGraph) -> str:
@@ -176,7 +191,7 @@ class GraphExplorer(Displayable):
         if expand == "modules":
             return pg.expand_modules(self.hierarchy)
         if expand is None or expand == "auto":
-            return pg.auto_expand(self.hierarchy)
+            return pg.auto_expand(self.hierarchy, fits=self._fits)
         if isinstance(expand, (set, frozenset, list, tuple)):
             opened: set[str] = set()
             for name in expand:
@@ -184,6 +199,11 @@ class GraphExplorer(Displayable):
                 opened.update([gid, *self.hierarchy.chain(gid)])  # opening a group opens its parents
             return frozenset(opened)
         raise InputError(f"expand must be 'auto', 'modules', 'all' or a list of module paths, not {expand!r}")
+
+    def _fits(self, expanded: frozenset[str]) -> bool:
+        """Whether the view with these groups open is seen whole at a readable zoom."""
+        lay = layout(pg.view(self.data, self.hierarchy, expanded), self._size, self._title_width)
+        return lay.width <= OPEN_W and lay.height <= OPEN_H
 
     def _known_group(self, name: str) -> str:
         try:
@@ -254,13 +274,13 @@ class GraphExplorer(Displayable):
         """Main line and second line of an item's box."""
         if item in self.hierarchy.groups:
             g = self.hierarchy.groups[item]
-            count = f"{g.size:,} node{'' if g.size == 1 else 's'}"
+            count = f"{g.size:,} autograd node{'' if g.size == 1 else 's'}"
             sub = f"{g.type_name} · {count}" if g.type_name else count
             return group_label(self.hierarchy, item), sub
         node = self.data.node(item)
         sub = shape_text(node.shape, node.dtype)
         if node.grad is not None:
-            sub += f" ‖g‖={node.grad.norm:.3g}"
+            sub += f" ‖g‖={fmt_number(node.grad.norm, 3)}"
         return node_label(self.hierarchy, node), sub
 
     def _size(self, item: str) -> tuple[float, float]:
@@ -293,13 +313,14 @@ class GraphExplorer(Displayable):
         lines += [f"note: {n}" for n in self.data.notes]
         marked = [n for n in self.data.nodes if n.nan]
         if marked:
-            lines.append(f"first NaN/Inf born at {marked[0].label} ({marked[0].module or 'no module'})")
+            origin = f", from {self.data.nan_from}" if self.data.nan_from else ""
+            lines.append(f"first NaN/Inf born at {marked[0].label} ({marked[0].module or 'no module'}){origin}")
         return "\n".join(lines)
 
     def html(self) -> str:
         from torch_nbdebug.render.figures import img_tag
 
-        notes = "".join(f"<p>{muted(esc(n))}</p>" for n in self.data.notes)
+        notes = "".join(f"<p>{muted(esc(n))}</p>" for n in self.data.notes + tuple(nan_note(self.data)))
         vg, lay = self.view()
         data, width, height = render_png(self, lay)
         return (f"<div class='tnd tnd-graph'><h3>{esc(self.data.summary())}</h3>{notes}{legend_html()}"
@@ -432,7 +453,7 @@ class GraphWidget(View):
         super().__init__()
         self._explorer = explorer
         self.summary = explorer.data.summary()
-        self.notes = list(explorer.data.notes)
+        self.notes = list(explorer.data.notes) + nan_note(explorer.data)
         self.refresh()
         self.on_msg(self._on_message)
 

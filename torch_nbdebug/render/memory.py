@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import traitlets
 
 from torch_nbdebug.data.memory import CATEGORIES, CATEGORY_LABELS, Allocation, MemoryState, MemoryTimeline
-from torch_nbdebug.process.memory import allocation_spans, decimate, window
+from torch_nbdebug.process.memory import allocation_spans, decimate, leaks_first, window
 from torch_nbdebug.render.html import bad, esc, muted, swatch, table
 from torch_nbdebug.render.widget import View, esm_path
 
@@ -175,11 +175,13 @@ def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
     fig.legend([found[label] for label in labels], labels, loc="lower center", ncol=5, fontsize=7.5, handlelength=1.4, columnspacing=1.0)
 
 
-def _alloc_rows(allocs: Sequence[Allocation]) -> str:
+def _alloc_rows(allocs: Sequence[Allocation], leaks: Sequence[Any] = ()) -> str:
     if not allocs:
         return f"<p>{muted('no allocation was alive at the peak')}</p>"
+    leaked = {i for leak in leaks for i in leak.allocation_ids}
     rows = [(esc(fmt_bytes(a.nbytes)), f"<code>{esc(_shape(a))}</code>", _category(a.category),
-             f"<code>{esc(a.holder)}</code>" if a.holder else "", f"<code>{esc(a.module)}</code>" if a.module else "",
+             (f"<code>{esc(a.holder)}</code>" if a.holder else "") + (f" {bad('leak')}" if a.id in leaked else ""),
+             f"<code>{esc(a.module)}</code>" if a.module else "",
              f"<code>{esc(_where(a))}</code>" if _where(a) else "") for a in allocs]
     return table(["size", "tensor", "category", "held by", "module", "allocated at"], rows, numeric=[0])
 
@@ -204,7 +206,7 @@ def timeline_html(tl: MemoryTimeline) -> str:
     leaks = "".join(_leak_card(leak) for leak in tl.leaks)
     return (f'<div class="tnd tnd-memory-static"><h3>{head}</h3>{note}{leaks}<div>{timeline_figure(tl)}</div>'
             f"<h3>Memory by category</h3>{table(['category', 'start', 'at peak', 'max', 'end'], totals, numeric=[1, 2, 3, 4])}"
-            f'<h3>Largest allocations alive at the peak</h3>{_alloc_rows(tl.peak_allocations)}</div>')
+            f'<h3>Largest allocations alive at the peak</h3>{_alloc_rows(leaks_first(tl.peak_allocations, tl.leaks), tl.leaks)}</div>')
 
 
 def state_alt(st: MemoryState) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import traitlets
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.render.html import AMBER, GREEN, bad, esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
 
@@ -31,22 +32,22 @@ def report_text(s: NanSummary, finished: bool = True) -> str:
         if clean_doubt(s):
             lines.append("  " + clean_doubt(s))
     else:
-        lines.append(f"nanwatch: {first.title()}")
-        lines += ["  " + x for x in event_lines(first)]
+        lines.append(f"nanwatch: {first.title(s.line_label(first))}")
+        lines += ["  " + x for x in event_lines(first, s)]
         if len(s.events) > 1:
             lines.append(f"all births ({len(s.events)}):")
-            lines += [f"  {i + 1}. {short(e)}" for i, e in enumerate(s.events)]
+            lines += [f"  {i + 1}. {short(e, s)}" for i, e in enumerate(s.events)]
     if s.absorbed:
         lines.append(f"{ABSORBED_TITLE}:")
-        lines += [f"  - {short(e)}" for e in s.absorbed]
+        lines += [f"  - {short(e, s)}" for e in s.absorbed]
     lines += [f"note: {n}" for n in s.notes]
     return "\n".join(lines)
 
 
-def event_lines(e: NanEvent) -> list[str]:
+def event_lines(e: NanEvent, s: NanSummary) -> list[str]:
     out = []
     if e.lineno is not None:
-        out.append(f"line {e.lineno}: {e.line}" if e.line else f"line {e.lineno}")
+        out.append(f"{s.line_label(e)}: {e.line}" if e.line else s.line_label(e))
     if e.phase == "backward" and e.forward_op:
         out.append(f"created in forward by {e.forward_op}" + (f" in {e.forward_module}" if e.forward_module else ""))
     if e.aten_op and e.aten_op != e.op:
@@ -60,8 +61,8 @@ def event_lines(e: NanEvent) -> list[str]:
     return out
 
 
-def short(e: NanEvent) -> str:
-    where = " ".join(x for x in (e.module or e.param or "", f"line {e.lineno}" if e.lineno else "") if x)
+def short(e: NanEvent, s: NanSummary) -> str:
+    where = " ".join(x for x in (e.module or e.param or "", s.line_label(e) if e.lineno else "") if x)
     return f"[{e.phase}, iteration {e.iteration}] {e.kind.upper()} {e.op}" + (f" — {where}" if where else "")
 
 
@@ -76,9 +77,9 @@ def report_html(s: NanSummary, finished: bool = True) -> str:
     if s.layers:
         parts.append(layers_html(s.layers))
     if s.events:
-        parts.append(events_html(s.events, "All births"))
+        parts.append(events_html(s.events, "All births", s))
     if s.absorbed:
-        parts.append(events_html(s.absorbed, ABSORBED_TITLE))
+        parts.append(events_html(s.absorbed, ABSORBED_TITLE, s))
     parts += [f"<p>{muted('note: ' + esc(n))}</p>" for n in s.notes]
     parts.append("</div>")
     return "".join(parts)
@@ -93,7 +94,7 @@ def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
         return (f'<blockquote class="card ok"><b class="good" style="color:{GREEN}">✓ nanwatch: no NaN/Inf born</b> '
                 f'{muted(f"— every value stayed finite ({checked}, mode {esc(s.mode)})")}'
                 f'</blockquote>')
-    rows = [("Where", _where(e)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
+    rows = [("Where", _where(e, s)), ("What", _what(e)), ("Why / fix", esc(e.hint))]
     if e.phase == "backward" and e.forward_op:
         rows.insert(1, ("Forward", f"created by <code>{esc(e.forward_op)}</code>"
                         + (f" in <code>{esc(e.forward_module)}</code>" if e.forward_module else "")
@@ -104,7 +105,7 @@ def card_html(e: Optional[NanEvent], s: NanSummary) -> str:
     rows.append(("Stats", "<br>".join(stats)))
     body = "".join(f'<tr><th scope="row" style="text-align:left">{k}</th><td style="text-align:left">{v}</td></tr>'
                    for k, v in rows)
-    return (f'<div class="card nw-card"><h3 class="nw-title">{bad(esc(e.title()))}</h3>'
+    return (f'<div class="card nw-card"><h3 class="nw-title">{bad(esc(e.title(s.line_label(e))))}</h3>'
             f"<table>{body}</table></div>")
 
 
@@ -123,14 +124,14 @@ def clean_doubt(s: NanSummary) -> str:
     return ""
 
 
-def _where(e: NanEvent) -> str:
+def _where(e: NanEvent, s: NanSummary) -> str:
     bits = []
     if e.module:
         bits.append(f"<code class='nw-module'>{esc(e.module)}</code>")
     if e.param:
         bits.append(f"parameter <code>{esc(e.param)}</code>")
     if e.lineno is not None:
-        bits.append(f"line {e.lineno}: <code class='nw-line'>{esc(e.line)}</code>")
+        bits.append(f"{esc(s.line_label(e))}: <code class='nw-line'>{esc(e.line)}</code>")
     bits.append(f"{esc(_PHASE_LABEL.get(e.phase, e.phase))}, iteration {e.iteration}")
     return " · ".join(bits)
 
@@ -176,7 +177,7 @@ def source_window(count: int, first: int, target: Optional[int]) -> tuple[int, i
 
 
 def _fmt(v: Optional[float]) -> str:
-    return "" if v is None else f"{v:.4g}"
+    return "" if v is None else fmt_number(v)
 
 
 def _cell(finite: Optional[bool], *values: Optional[float]) -> str:
@@ -194,7 +195,8 @@ def layers_html(layers: tuple[LayerStats, ...]) -> str:
             + f"<th {right}>min</th><th {right}>max</th><th {right}>mean</th>" * 2 + "</tr></thead>")
     rows = []
     for layer in layers:
-        name = f"<code>{esc(layer.module)}</code>" + (f" {bad('◀ birth')}" if layer.birth else "")
+        path = ".<wbr>".join(esc(part) for part in layer.module.split("."))  # wraps after a dot when narrow
+        name = f"<code>{path}</code>" + (f" {bad('◀ birth')}" if layer.birth else "")
         mark = ' class="mark"' if layer.birth else ""
         rows.append(f"<tr{mark}><td style='text-align:left'>{name}</td><td {right}>{layer.calls}</td>"
                     f"{_cell(layer.fwd_finite, layer.fwd_min, layer.fwd_max, layer.fwd_mean)}"
@@ -203,10 +205,10 @@ def layers_html(layers: tuple[LayerStats, ...]) -> str:
             "</tbody></table>")
 
 
-def events_html(events: tuple[NanEvent, ...], title: str) -> str:
+def events_html(events: tuple[NanEvent, ...], title: str, s: NanSummary) -> str:
     rows = [(str(i + 1), esc(_PHASE_LABEL.get(e.phase, e.phase)), str(e.iteration), bad(esc(_KIND_LABEL.get(e.kind, e.kind))),
              f"<code>{esc(e.op)}</code>", f"<code>{esc(e.module or e.param)}</code>" if e.module or e.param else "",
-             "" if e.lineno is None else str(e.lineno)) for i, e in enumerate(events)]
+             "" if e.lineno is None else esc(s.line_label(e))) for i, e in enumerate(events)]
     head = ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
     return f"<h3>{esc(title)}</h3>{table(head, rows, numeric=[0, 2, 6], cls='nw-events')}"
 

@@ -119,7 +119,7 @@ function render({ model, el }) {
     const label = (x, y, text, extra) => { const t = s("text", { x, y, "font-size": 10, "text-anchor": "middle", fill: "#57606a", ...extra }); t.textContent = text; svg.append(t); };
     const focused = flowBox.contains(document.activeElement) ? document.activeElement.getAttribute("data-layer") : null;
     label(11, H / 2 + 6, "|gradient| (log scale)", { transform: `rotate(-90 11 ${H / 2 + 6})` });
-    label(left + nL * w / 2, H + 40, "layer # (click one)");
+    label(left + nL * w / 2, H + 40, "layer # (from 0; click one)");
     for (let e = lo; e <= hi; e++) {
       svg.append(s("line", { x1: left, x2: left + nL * w, y1: y(10 ** e), y2: y(10 ** e), stroke: "#eaeef2", class: "grid" }));
       const t = s("text", { x: left - 4, y: y(10 ** e) + 4, "font-size": 10, "text-anchor": "end", fill: "#57606a" });
@@ -131,7 +131,7 @@ function render({ model, el }) {
       const x = left + l * w;
       const colour = flagged[l] ? meta.colours[flagged[l][0]] : "#1f6feb";
       const g = s("g", { class: "tnd-flow-layer", "data-layer": l, style: "cursor:pointer", tabindex: "0", role: "button",
-        "aria-label": `layer ${l}: ${meta.layers[l].name}`, "aria-pressed": l === cur ? "true" : "false",
+        "aria-label": `layer #${l} (${l + 1}/${nL}): ${meta.layers[l].name}`, "aria-pressed": l === cur ? "true" : "false",
         "data-lm-suppress-shortcuts": "true" });
       g.append(s("rect", { x, y: 0, width: w, height: H + 32, fill: l === cur ? "#fff3bf" : "transparent", class: l === cur ? "col current" : "col" }));
       if (!(isFinite(flowAt(st, l, 1)) && isFinite(flowAt(st, l, 2)))) {  // nothing to draw: say why, in red
@@ -201,7 +201,7 @@ function render({ model, el }) {
       h("span", { class: "mono" }, fmt(10 ** hi)), " (log)  ", h("span", { class: "swatch", style: "background:#cf222e" }), "NaN/Inf  ",
       h("span", { class: "swatch", style: "background:#fff" }), "no gradient") : "";
     heatBox.replaceChildren(h("div", { style: "margin-top:8px" }, h("b", {}, "gradient norm, layers × steps "),
-      h("span", { class: "muted" }, `(rows = layers, #0 at the top; columns = steps ${meta.steps[0]}…${meta.steps[nS - 1]}, left to right); click a cell`)),
+      h("span", { class: "muted" }, `(rows = layers #0…#${nL - 1}, top to bottom; columns = steps ${meta.steps[0]}…${meta.steps[nS - 1]}, left to right); click a cell`)),
       h("div", { class: "scroll" }, canvas), scale);
   }
 
@@ -229,7 +229,7 @@ function render({ model, el }) {
 
   function drawDetail(st, l, log) {
     const layer = meta.layers[l];
-    const kids = [h("b", { class: "mono" }, layer.name), ` (${layer.kind}) — layer #${l} (${l + 1} of ${nL})`];
+    const kids = [h("b", { class: "mono" }, layer.name), ` (${layer.kind}) — layer #${l} (${l + 1}/${nL})`];
     const mine = flagsAt(st).filter((f) => f[1] === l);
     detail.className = "tnd-detail " + (mine.some((f) => f[0] === "non-finite") ? "card" : mine.length ? "card caution" : "card info");
     for (const f of mine) kids.push(h("div", { class: "tnd-flag", style: `color:${meta.colours[f[0]]}` }, `${f[0]}: ${f[3]}`));
@@ -262,6 +262,15 @@ function render({ model, el }) {
     sliderL.value = String(l); sliderS.value = String(st); logBox.checked = log;
     layerLabel.textContent = `${l + 1}/${nL} ${meta.layers[l].name}`;
     stepLabel.textContent = `step ${meta.steps[st]} (${st + 1}/${nS})`;
+    // One way to number, for layers as for steps: a name counted from 0 (layer #1 is view.layer == 1;
+    // step 6 had 6 steps completed before it, as every tool's report names it), then its place among
+    // the recorded ones (2/3, 7/8), the form the slider's label uses.
+    const done = meta.step_kind === "backward" ? "backward passes" : "optimizer steps";
+    layerLabel.title = `layer #${l} (${l + 1}/${nL}): counted from 0; layer ${l + 1} of ${nL}`;
+    stepLabel.title = `step ${meta.steps[st]} (${st + 1}/${nS}): ${meta.steps[st]} ${done} completed before it ` +
+      `(counted from 0); recorded step ${st + 1} of ${nS}`;
+    sliderL.setAttribute("aria-valuetext", `layer #${l} (${l + 1}/${nL}): ${meta.layers[l].name}`);
+    sliderS.setAttribute("aria-valuetext", `step ${meta.steps[st]} (${st + 1}/${nS})`);
     // A focused button that becomes disabled (▶ at the last layer) drops the focus to <body>, where the
     // arrow keys no longer reach the view: hand the focus to the view itself first.
     for (const [b, off] of [[prevL, l === 0], [nextL, l === nL - 1], [prevS, st === 0], [nextS, st === nS - 1]]) {

@@ -5,6 +5,9 @@
 
 // Labels are 11 px in the SVG: below this zoom they would be drawn smaller than 10 px.
 const READABLE = 10 / 11;
+// The viewport is as tall as the first view needs at that zoom, between these (render/graph.py's
+// OPEN_H picks a first view that fits PORT_MAX).
+const PORT_MIN = 320, PORT_MAX = 760;
 
 // The SVG carries light colours as presentation attributes (for a page with no CSS); here they follow
 // the theme. Box fills are the kind's colour mixed into the theme's panel colour: pale on light,
@@ -30,7 +33,8 @@ const THEME = `
 .tnd-graph-widget svg g.node.output > rect { fill: color-mix(in srgb, #1a7f37 45%, var(--g-panel)); stroke: #1a7f37; }
 .tnd-graph-widget svg g.group > rect { fill: color-mix(in srgb, #d4a72c 20%, var(--g-panel)); stroke: #bf8700; }
 .tnd-graph-widget svg g.group[data-id^="c:"] > rect { fill: color-mix(in srgb, #8250df 14%, var(--g-panel)); stroke: #8250df; }
-.tnd-graph-widget svg g.nan > rect { fill: color-mix(in srgb, #cf222e 22%, var(--g-panel)); stroke: #cf222e; }
+.tnd-graph-widget svg g.node.nan > rect, .tnd-graph-widget svg g.group.nan > rect,
+.tnd-graph-widget svg g.group.nan[data-id] > rect { fill: color-mix(in srgb, #cf222e 22%, var(--g-panel)); stroke: #cf222e; }
 .tnd-graph-widget svg g[tabindex] { outline: none; }
 .tnd-graph-widget svg g[tabindex]:focus-visible > rect:last-of-type { stroke: var(--g-focus); stroke-width: 3px; }
 .tnd-graph-widget svg g.cluster[tabindex]:focus-visible > rect { stroke-dasharray: none; }
@@ -74,13 +78,13 @@ function detailRows(d) {
   };
   if (d.kind === "group") {
     add("module", d.module || d.label); add("class", d.type); add("repeated", d.repeat);
-    add("nodes", d.size); add("parameters", d.params ? `${d.params} (${d.numel.toLocaleString()} values)` : "");
-    add("gradients", d.grad); if (d.nan) add("NaN/Inf", "first birth inside");
+    add("autograd nodes", d.size); add("parameters", d.params ? `${d.params} (${d.numel.toLocaleString()} values)` : "");
+    add("gradients", d.grad); if (d.nan) add("NaN/Inf", `first birth inside (${d.nan})`);
   } else {
     add("kind", d.kind); add("op", d.op); add("output", d.shape);
     add("outputs", d.outputs && d.outputs.length > 1 ? d.outputs : ""); add("module", d.module);
     add("also named", d.aliases); add("inputs", d.inputs); add("used by", d.users); add("saved", d.saved); add("gradient", d.grad);
-    add("sequence nr", d.seq); if (d.nan) add("NaN/Inf", "first birth here (last %%nanwatch)");
+    add("sequence nr", d.seq); if (d.nan) add("NaN/Inf", `first birth here (${d.nan})`);
   }
   return rows;
 }
@@ -114,6 +118,8 @@ export default {
     // (the end of the flow, where the user's tensor is), centred on it across.
     const opening = () => {
       const size = extent(); if (!size) return;
+      port.style.height = `${Math.round(Math.min(PORT_MAX, Math.max(PORT_MIN, size[1] * READABLE + 12)))}px`;
+      panel.style.maxHeight = port.style.height;
       const [w, hh] = size, pw = port.clientWidth, ph = port.clientHeight;
       scale = Math.max(READABLE, Math.min(1, pw / w, ph / hh));
       tx = Math.max(0, (pw - w * scale) / 2); ty = 4; apply();
@@ -143,11 +149,14 @@ export default {
       ["#f6f0ff", "#8250df", "chunk of ops"], ["#ffebe9", "#cf222e", "first NaN/Inf"]]) {
       legend.append(h("span", {}, h("span", { class: "swatch", style: `background:${fill};border-color:${stroke}` }), label));
     }
-    legend.append(h("span", {}, "drag to pan · wheel to zoom · click a node for details · Tab, Enter and Space work too"));
+    legend.append(h("span", { style: "white-space:normal" },  // the one long key wraps in a narrow panel
+      "drag to pan · wheel to zoom · click a node for details · Tab, Enter and Space work too"));
     // data-lm-suppress-shortcuts: Enter/Space inside the view act on it, not on the notebook around it.
     const root = h("div", { class: "tnd tnd-graph-widget", "data-lm-suppress-shortcuts": "true" },
       h("style", {}, THEME), h("div", { class: "muted tnd-graph-summary" }), toolbar, legend,
-      h("div", { style: "display:flex;gap:8px;align-items:flex-start" }, h("div", { style: "flex:1;min-width:0" }, port), panel));
+      // In a narrow panel (~500 px) the details go under the graph instead of squeezing it.
+      h("div", { style: "display:flex;gap:8px;align-items:flex-start;flex-wrap:wrap" },
+        h("div", { style: "flex:1 1 320px;min-width:0" }, port), panel));
     el.append(root);
 
     const draw = () => {

@@ -4,7 +4,9 @@
 // output's width (viewBox), wide tables scroll in their own box, and a row's details show on
 // keyboard focus as they do on hover.
 const NS = "http://www.w3.org/2000/svg";
-const W = 760, H = 270, L = 78, R = 12, T = 18, B = 32;
+// The chart is drawn at the width there is (up to FULL_W), never shrunk below its text's size:
+// in a ~500 px side panel its labels stay 10 px.
+const FULL_W = 760, FULL_H = 270, MIN_W = 320, MIN_H = 190, L = 78, R = 12, T = 18, B = 32;
 
 function fmtBytes(n) {
   if (n === null || n === undefined) return "-";
@@ -38,24 +40,27 @@ function html(tag, attrs, parent, text) {
   return e;
 }
 function shape(a) { return a.dtype ? `${a.dtype}[${a.shape.join(", ")}]` : "(allocator block)"; }
-function where(l) {  // notebook cells are compiled from temporary files whose names mean nothing to users
+function where(l) {  // as SourceLine.location: "In [7], line 3" names the cell (its temp file's name means nothing)
   const cell = l.filename.includes("ipykernel_") || l.filename.startsWith("<ipython-input");
-  return (cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`) + (l.text ? `: ${l.text}` : "");
+  const at = l.cell !== null && l.cell !== undefined ? `In [${l.cell}], line ${l.lineno}`
+    : cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`;
+  return at + (l.function && l.function !== "<module>" ? ` in ${l.function}()` : "") + (l.text ? `: ${l.text}` : "");
 }
 function lineOf(a) { return a.line ? where(a.line) : ""; }
 
-function allocTable(parent, allocs, labels, cats, colors, detail) {
+function allocTable(parent, allocs, labels, cats, colors, detail, leaked) {
   const table = html("table", { class: "allocs" }, html("div", { class: "scroll" }, parent));
   const head = html("tr", {}, table);
   for (const h of ["size", "tensor", "category", "held by", "module", "allocated at"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
   for (const a of allocs) {
-    const tr = html("tr", { class: "alloc", tabindex: "0" }, table);
+    const tr = html("tr", { class: leaked.has(a.id) ? "alloc leak" : "alloc", tabindex: "0" }, table);
     html("td", { class: "num" }, tr, fmtBytes(a.nbytes));
     html("td", { class: "mono nowrap" }, tr, shape(a));
     const cat = html("td", { class: "nowrap" }, tr);
     html("span", { class: "swatch", style: `background:${colors[cats.indexOf(a.category)]}` }, cat);
     cat.appendChild(document.createTextNode(labels[cats.indexOf(a.category)] || a.category));
-    html("td", { class: "mono" }, tr, a.holder || "");
+    const held = html("td", { class: "mono" }, tr, a.holder || "");
+    if (leaked.has(a.id)) html("span", { class: "bad" }, held, " leak");
     html("td", { class: "mono" }, tr, a.module || "");
     html("td", { class: "mono src", title: lineOf(a) }, tr, lineOf(a));
     const show = () => {
@@ -75,6 +80,7 @@ function allocTable(parent, allocs, labels, cats, colors, detail) {
 function renderTimeline(model, el) {
   const meta = model.get("meta");
   const root = html("div", { class: "tnd tnd-memory-widget" }, el);
+  let W = FULL_W, H = FULL_H;
   html("h3", {}, root, meta.title);
   if (meta.note) html("div", { class: "warn" }, root, meta.note);
   const bar = html("div", { class: "toolbar" }, root);
@@ -102,10 +108,11 @@ function renderTimeline(model, el) {
   html("span", {}, legend, "┆ iteration start");
   html("span", { class: "bad" }, legend, "│ peak");
   html("span", {}, legend, "drag across the chart to zoom");
+  const leakBox = html("div", {}, root);  // the finding first: what the cell leaked
   html("h3", {}, root, "Largest allocations alive at the highest point of the visible range");
   const detail = html("div", { class: "mono muted detail", "aria-live": "polite" }, root, "hover or focus a row for details");
   const tableBox = html("div", {}, root);
-  const leakBox = html("div", {}, root);
+  const leaked = new Set(meta.leaks.flatMap((leak) => leak.allocation_ids || []));
   for (const leak of meta.leaks) {
     const card = html("div", { class: "card" }, leakBox);
     html("b", {}, card, "Leak: ");
@@ -131,9 +138,17 @@ function renderTimeline(model, el) {
   buttons.reset.onclick = () => setRange(0, n - 1);
   buttons.peak.onclick = () => { const w = Math.max(20, (n - 1) / 20); setRange(meta.peak.step - w, meta.peak.step + w); };
 
-  let scale = null;
+  let scale = null, drawnFor = 0;
+  function fit() {  // the width there is, the aspect kept (not below MIN_H high)
+    const avail = Math.floor(root.getBoundingClientRect().width);
+    drawnFor = avail;
+    W = avail > 0 ? Math.max(MIN_W, Math.min(FULL_W, avail)) : FULL_W;
+    H = Math.max(MIN_H, Math.round(W * FULL_H / FULL_W));
+    chart.setAttribute("width", W); chart.setAttribute("height", H); chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  }
   function draw() {
     const v = model.get("view");
+    fit();
     chart.replaceChildren();
     if (!v || !v.steps) return;
     const lo = v.lo, hi = v.hi;
@@ -185,6 +200,7 @@ function renderTimeline(model, el) {
     const mid = (T + H - B) / 2;
     svg("text", { x: 11, y: mid, "text-anchor": "middle", fill: "#57606a", transform: `rotate(-90 11 ${mid})` }, chart).textContent = "memory allocated";
     svg("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", fill: "#57606a" }, chart).textContent =
+      W < 600 ? "events, in order (dashed: iterations)" :
       "allocation/free events, in order (dashed lines: iteration starts)" + (v.reserved ? "; dashed line on top: reserved" : "");
     for (let k = 0; k <= 4; k++) {
       const s = Math.round(lo + (hi - lo) * k / 4);
@@ -198,7 +214,7 @@ function renderTimeline(model, el) {
     svg("line", { class: "cursor fg-line", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
     svg("rect", { class: "brush", x: 0, y: T, width: 0, height: H - T - B, fill: "#0969da", "fill-opacity": 0.15 }, chart);
     tableBox.replaceChildren();
-    allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, meta.colors, detail);
+    allocTable(tableBox, v.local_peak.allocations, meta.labels, meta.categories, meta.colors, detail, leaked);
   }
 
   const toStep = (evt) => {
@@ -239,7 +255,9 @@ function renderTimeline(model, el) {
   window.addEventListener("mouseup", onUp);
   model.on("change:view", draw);
   draw();
-  return () => { model.off("change:view", draw); window.removeEventListener("mouseup", onUp); };
+  const resized = new ResizeObserver(() => { if (Math.floor(root.getBoundingClientRect().width) !== drawnFor) draw(); });
+  resized.observe(root);
+  return () => { model.off("change:view", draw); window.removeEventListener("mouseup", onUp); resized.disconnect(); };
 }
 
 function renderState(model, el) {

@@ -22,7 +22,14 @@ function h(tag, attrs, ...children) {
   return node;
 }
 
-const fmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" ? Number(v.toPrecision(4)).toString() : String(v));
+// As data/stats.py's fmt_number: plain from 1e-3 up to 1e5, else an exponent (8.125e+19, not 81250000000000000000).
+const fmt = (v) => {
+  if (v === null || v === undefined) return "";
+  if (typeof v !== "number" || !Number.isFinite(v)) return String(v);
+  const a = Math.abs(v);
+  if (v === 0 || (a >= 1e-3 && a < 1e5)) return String(Number(v.toPrecision(4)));
+  return v.toExponential(3).replace(/\.?0+e/, "e").replace(/e([+-])(\d)$/, "e$10$2");
+};
 
 function brief(s) {
   if (!s) return "";
@@ -59,6 +66,18 @@ function checked(report) {
     (calls ? ` and ${calls.toLocaleString()} module call${calls === 1 ? "" : "s"}` : "") + " checked";
 }
 
+// As data/source.py's line_label: "line 3" in the watched cell, "In [2], line 3" in another,
+// "model.py, line 3" in a file.
+function lineLabel(e, report) {
+  const cells = report.cells || {}, here = report.cell ?? null;
+  const cell = e.filename && e.filename in cells ? cells[e.filename] : null;
+  if (cell !== null && cell === here) return `line ${e.lineno}`;
+  if (cell !== null) return `In [${cell}], line ${e.lineno}`;
+  const isCell = !e.filename || e.filename.includes("ipykernel_") || e.filename.startsWith("<ipython-input");
+  if (isCell) return here === null || !e.filename ? `line ${e.lineno}` : `another cell, line ${e.lineno}`;
+  return `${e.filename.split(/[\\/]/).pop()}, line ${e.lineno}`;
+}
+
 function card(e, report) {
   if (!e) {
     const doubt = cleanDoubt(report);
@@ -72,7 +91,7 @@ function card(e, report) {
   const where = [];
   if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
   if (e.param) where.push("parameter ", h("code", {}, e.param), " · ");
-  if (e.lineno !== null) where.push(`line ${e.lineno}: `, h("code", { class: "nw-line" }, e.line || ""), " · ");
+  if (e.lineno !== null) where.push(h("span", { class: "nw-where-line" }, lineLabel(e, report)), ": ", h("code", { class: "nw-line" }, e.line || ""), " · ");
   where.push(`${PHASE[e.phase] || e.phase}, iteration ${e.iteration}`);
   const what = [h("b", {}, e.kind === "nan" ? "NaN" : "Inf"), " from ", h("code", { class: "nw-op" }, e.op)];
   if (e.aten_op && e.aten_op !== e.op) what.push(" (", h("code", {}, e.aten_op), ")");
@@ -120,28 +139,48 @@ function windowOf(count, first, target) {
   return [lo, hi];
 }
 
+// A long module path may wrap after its dots, so the numbers beside it stay in view in a narrow panel.
+const breakable = (path) => String(path).split(".").flatMap((part, i) => (i ? [".", h("wbr"), part] : [part]));
+
 function statCells(finite, values) {
   if (finite === null || finite === undefined) return values.map(() => h("td", { class: "muted num" }, "—"));
   if (!finite) return [h("td", { class: "bad", colspan: "3" }, "NaN/Inf")];
   return values.map((v) => h("td", { class: "num" }, fmt(v)));
 }
 
+// In a narrow output (a ~500 px side panel) a module's name gets a row of its own above its numbers,
+// so the gradient columns stay in view (container query on .tnd-nanwatch).
+const NARROW_CSS = `
+.tnd-nanwatch { container-type: inline-size; }
+.tnd-nanwatch table.nw-layers tr.nw-name { display: none; }
+.tnd-nanwatch table.nw-layers tr.mark-name td { background: var(--tnd-mark); font-weight: 600; }
+@container (max-width: 640px) {
+  .tnd-nanwatch table.nw-layers tr.nw-name { display: table-row; }
+  .tnd-nanwatch table.nw-layers tr.nw-name td { border-bottom: none; padding-bottom: 0; }
+  .tnd-nanwatch table.nw-layers .nw-module { display: none; }
+  .tnd-nanwatch table.nw-layers td.num, .tnd-nanwatch table.nw-layers th.num { padding-left: 3px; padding-right: 3px; font-size: 12px; }
+}`;
+
 function layers(report, e) {
   if (!report.layers.length) return null;
   const target = e ? e.module : null;
-  const head = [h("tr", {}, h("th", { rowspan: "2" }, "module"), h("th", { rowspan: "2", class: "num" }, "calls"),
+  const head = [h("tr", {}, h("th", { rowspan: "2", class: "nw-module" }, "module"), h("th", { rowspan: "2", class: "num" }, "calls"),
     h("th", { colspan: "3" }, "activation (output)"), h("th", { colspan: "3" }, "gradient (w.r.t. output)")),
   h("tr", {}, ["min", "max", "mean", "min", "max", "mean"].map((c) => h("th", { class: "num" }, c)))];
-  const rows = report.layers.map((l) => h("tr", { class: l.module === target ? "mark" : "" },
-    h("td", { class: "mono nowrap" }, l.module, l.module === target ? " ◀ birth" : ""), h("td", { class: "num" }, String(l.calls)),
-    statCells(l.fwd_finite, [l.fwd_min, l.fwd_max, l.fwd_mean]),
-    statCells(l.grad_finite, [l.grad_min, l.grad_max, l.grad_mean])));
-  return [h("h3", {}, "Per-layer activations and gradients"), h("div", { class: "scroll" }, h("table", { class: "nw-layers" }, head, rows))];
+  const name = (l) => [...breakable(l.module), l.module === target ? " ◀ birth" : ""];
+  const rows = report.layers.flatMap((l) => [
+    h("tr", { class: l.module === target ? "nw-name mark-name" : "nw-name" }, h("td", { class: "mono", colspan: "7" }, ...name(l))),
+    h("tr", { class: l.module === target ? "mark" : "" },
+      h("td", { class: "mono nw-module" }, ...name(l)), h("td", { class: "num" }, String(l.calls)),
+      statCells(l.fwd_finite, [l.fwd_min, l.fwd_max, l.fwd_mean]),
+      statCells(l.grad_finite, [l.grad_min, l.grad_max, l.grad_mean]))]);
+  return [h("h3", {}, "Per-layer activations and gradients"),
+    h("div", { class: "scroll" }, h("table", { class: "nw-layers" }, head, rows))];
 }
 
 function events(report, selected, select) {
   if (!report.events.length) return null;
-  const numeric = [true, false, true, false, false, false, true];
+  const numeric = [true, false, true, false, false, false, false];
   const head = h("tr", {}, ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
     .map((c, k) => h("th", { class: numeric[k] ? "num" : "" }, c)));
   const onKey = (i) => (evt) => {
@@ -154,7 +193,8 @@ function events(report, selected, select) {
     class: i === selected ? "mark nw-event" : "nw-event", title: "show in the card", tabindex: "0",
     "data-index": String(i), "aria-current": i === selected ? "true" : null, "data-lm-suppress-shortcuts": "true",
     onclick: () => select(i), onkeydown: onKey(i),
-  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "", e.lineno ?? ""]
+  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "",
+    e.lineno === null || e.lineno === undefined ? "" : lineLabel(e, report)]
     .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : k === 3 ? "bad" : numeric[k] ? "num" : "" }, String(c)))));
   return [h("h3", {}, `All births (${report.events.length})`),
     h("div", { class: "scroll" }, h("table", { class: "nw-events", "aria-label": "every NaN/Inf birth; Enter shows one in the card" }, head, rows))];
@@ -163,7 +203,7 @@ function events(report, selected, select) {
 export default {
   render({ model, el }) {
     const root = h("div", { class: "tnd tnd-nanwatch" });
-    el.append(root);
+    el.append(h("style", {}, NARROW_CSS), root);
     const draw = () => {
       // A redraw replaces the rows: the focused one (Enter on it) gets the focus back.
       const focused = root.contains(document.activeElement) ? document.activeElement.getAttribute("data-index") : null;
