@@ -28,6 +28,8 @@ Rules kept here so no renderer has to know them:
 from __future__ import annotations
 
 import base64
+import contextlib
+import gc
 import io
 import warnings
 from typing import Any, Callable
@@ -60,17 +62,31 @@ def png(draw: Callable[[Any], None], width: float, height: float) -> bytes:
 
     from PIL import Image  # matplotlib's own dependency
 
-    with matplotlib.rc_context(STYLE), warnings.catch_warnings():
+    with _freed_at_once(), matplotlib.rc_context(STYLE), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a degenerate axis is our drawing's business, not the user's output
         fig = Figure(figsize=(max(round(width), 1) / DPI, max(round(height), 1) / DPI), dpi=DPI)
         canvas = FigureCanvasAgg(fig)
         draw(fig)
         canvas.draw()
-        rgb = np.asarray(canvas.buffer_rgba())[..., :3]
+        rgb = np.array(canvas.buffer_rgba())[..., :3]
+        del fig, canvas
     # A palette of 256 colours (median cut keeps the flat fills exact): a third of the bytes of RGB.
     out = io.BytesIO()
     Image.fromarray(rgb).quantize(256, method=Image.Quantize.MEDIANCUT).save(out, format="png", optimize=True)
     return out.getvalue()
+
+
+@contextlib.contextmanager
+def _freed_at_once() -> Any:
+    """Free a figure as soon as it is drawn. A matplotlib figure is a web of reference cycles (tens of
+    thousands of objects) that only a full garbage collection frees, rare in a kernel holding a
+    model: figures (and the garbage of the cell that made them) piled up until then, and the heap
+    grew by ~0.7 MB a picture, for good (50 %%monitor runs: +35 MB). One collection per picture,
+    before the next one is drawn, keeps it flat."""
+    try:
+        yield
+    finally:
+        gc.collect()
 
 
 def img_tag(data: bytes, alt: str, width: float, height: float, cls: str = "tnd-figure") -> str:
