@@ -50,3 +50,13 @@ def test_html_follows_the_notebook_theme() -> None:
     assert "#f6f8fa" not in html
     assert "background:var(--jp-layout-color2," in html.replace(" ", "")
     assert "var(--jp-ui-font-color2," in html
+
+
+def test_fix_text_shows_backticked_code_as_code_not_raw_backticks() -> None:
+    summary = ReproSummary(identical=False, first=FIRST, cause="rng", ops=(3, 3),
+                           hint="seed with `torch.manual_seed(0)` before the cell, or pass a `<Generator>`; 1 ` left")
+    html = report_html(summary)
+    fix = html[html.index(">fix<"):]
+    assert "<code" in fix and ">torch.manual_seed(0)</code>" in fix and ">&lt;Generator&gt;</code>" in fix
+    assert "`torch" not in fix and "1 ` left" in fix  # an unpaired backtick stays as written
+    assert "fix: seed with `torch.manual_seed(0)`" in report_text(summary)  # the text view keeps them

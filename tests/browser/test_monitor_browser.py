@@ -110,3 +110,69 @@ def test_final_view_smoothing_log_scale_zoom_and_layer_panel(lab) -> None:
     view.locator("button.tnd-reset-zoom").click()
     expect(view.locator("button.tnd-reset-zoom")).to_be_disabled()
     lab.screenshot(view, "monitor_final")
+
+
+FIXED_LR = """%%monitor loss, opt.param_groups[0]["lr"]
+for step in range(30):
+    loss = nn.functional.mse_loss(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+DIVERGING = """%%monitor loss
+deep = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(4, 4), nn.Tanh())], nn.Linear(4, 1))
+deep_opt = torch.optim.SGD(deep.parameters(), lr=0.003)
+for step in range(8):
+    scale = 1e6 if step == 3 else (float("nan") if step >= 4 else 1.0)  # explodes, then NaN
+    loss = nn.functional.mse_loss(deep(x) * scale, y)
+    deep_opt.zero_grad()
+    loss.backward()
+    deep_opt.step()
+"""
+
+
+def _path_ys(d: str) -> list[float]:
+    return [float(y) for y in re.findall(r"[ML][\d.]+,([\d.]+)", d)]
+
+
+def test_a_fixed_learning_rate_is_flat_its_ticks_distinct_and_hover_shows_values(lab) -> None:
+    page = lab.run_notebook([SETUP, FIXED_LR], name="monitor_flat")
+    view = lab.output(page, 1).locator(".tnd-monitor")
+    lr_chart = view.locator(".tnd-series").nth(1).locator("svg.tnd-chart")
+    expect(view.locator(".tnd-series").nth(1).locator("h3")).to_have_text('opt.param_groups[0]["lr"]')
+    for cls in ("path.tnd-smooth", "path.tnd-raw"):
+        ys = _path_ys(lr_chart.locator(cls).get_attribute("d") or "")
+        assert len(ys) == 30 and max(ys) - min(ys) < 0.5, (cls, ys)  # one flat line, not a zig-zag
+    ticks = lr_chart.locator("text.tnd-ytick").all_text_contents()
+    assert len(ticks) == 3 and len(set(ticks)) == 3 and "0.05" in ticks, ticks  # SETUP trains at lr 0.05
+    loss_ticks = view.locator(".tnd-series").first.locator("text.tnd-ytick").all_text_contents()
+    assert len(set(loss_ticks)) == len(loss_ticks), loss_ticks
+
+    box = lr_chart.bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] / 2)
+    tip = lr_chart.locator("text.tnd-hover")
+    expect(tip).to_be_visible()
+    expect(tip).to_contain_text(re.compile(r"step \d+"))
+    expect(tip).to_contain_text("value 0.05")
+    lab.screenshot(view, "monitor_flat_hover")
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] + 200)
+    expect(tip).to_be_hidden()
+
+
+def test_a_divergence_lists_one_row_per_step_and_kind_the_nan_loss_first(lab) -> None:
+    page = lab.run_notebook([SETUP, DIVERGING], name="monitor_alerts")
+    view = lab.output(page, 1).locator(".tnd-monitor")
+    rows = view.locator("ul.tnd-alerts > li")
+    expect(rows).to_have_count(3)  # loss nan; 5 layers exploding; 5 layers non-finite
+    expect(rows.first).to_contain_text(re.compile(r"non-finite step \d+: loss is nan"))
+    folded = view.locator("ul.tnd-alerts details")
+    expect(folded).to_have_count(2)
+    exploding = folded.filter(has_text="exploding")
+    expect(exploding.locator("summary")).to_contain_text("(and 4 more layers)")
+    expect(exploding.locator("ul > li").first).to_be_hidden()  # folded until asked for
+    exploding.locator("summary").click()  # on its text (the zoom button is at its start)
+    expect(exploding.locator("ul > li")).to_have_count(5)
+    expect(exploding.locator("ul > li").first).to_be_visible()
+    lab.screenshot(view, "monitor_alerts_grouped")

@@ -148,4 +148,11 @@ def split_expressions(text: str) -> list[str]:
     return [(ast.get_source_segment(text, part) or ast.unparse(part)).strip() for part in parts]
 
 
+def load(shell: Any) -> None:
+    """At ``%load_ext``: import the drawing modules in the background (the first report is drawn sooner)."""
+    from torch_nbdebug.render.figures import warm_up
+
+    warm_up()
+
+
 MAGICS = MonitorMagics

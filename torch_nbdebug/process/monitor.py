@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -125,6 +126,52 @@ def _present(norms: np.ndarray) -> np.ndarray:
     return ~(norms < 0)
 
 
+@dataclass(frozen=True)
+class AlertGroup:
+    """The alerts of one kind at one step: a watched value's alone, or every layer's at once (a
+    divergence sets off most layers in the same step), led by the worst of them."""
+
+    worst: Alert
+    members: tuple[Alert, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.worst.kind
+
+    @property
+    def step(self) -> int:
+        return self.worst.step
+
+    def message(self) -> str:
+        more = len(self.members) - 1
+        return self.worst.message() + (f" (and {more} more layer{'s' if more > 1 else ''})" if more else "")
+
+
+def group_alerts(found: tuple[Alert, ...]) -> tuple[AlertGroup, ...]:
+    """One group per (step, kind) of the layer alerts, each value alert its own; the first
+    non-finite watched value leads (the line a diverged run is about), the rest in step order."""
+    layers: dict[tuple[int, str], list[Alert]] = {}
+    groups: list[AlertGroup] = []
+    for a in found:
+        if a.of == "layer":
+            layers.setdefault((a.step, a.kind), []).append(a)
+        else:
+            groups.append(AlertGroup(a, (a,)))
+    groups += [AlertGroup(_worst(members), tuple(members)) for members in layers.values()]
+    groups.sort(key=lambda g: (g.step, g.worst.of != "value", g.kind))
+    lead = next((g for g in groups if g.kind == "non-finite" and g.worst.of == "value"), None)
+    return tuple([lead] + [g for g in groups if g is not lead]) if lead is not None else tuple(groups)
+
+
+def _worst(members: list[Alert]) -> Alert:
+    """The largest norm (exploding), the smallest (vanishing), else the first layer."""
+    if members[0].kind == "exploding":
+        return max(members, key=lambda a: a.value)
+    if members[0].kind == "vanishing":
+        return min(members, key=lambda a: a.value)
+    return members[0]
+
+
 def smooth(series: np.ndarray, weight: float) -> np.ndarray:
     """TensorBoard-style exponential moving average, debiased, skipping non-finite points."""
     if not 0 <= weight < 1:
@@ -137,6 +184,26 @@ def smooth(series: np.ndarray, weight: float) -> np.ndarray:
         last, n = last * weight + (1 - weight) * value, n + 1
         out[k] = last / (1 - weight ** n)
     return out
+
+
+FLAT_TOL = 1e-9  # a series whose spread is below this fraction of its size is drawn flat
+
+
+def flat_limits(values: np.ndarray) -> "tuple[float, float] | None":
+    """The y range to draw a series that is constant within :data:`FLAT_TOL` (relative): smoothing
+    leaves float noise of ~1e-18 on a fixed learning rate, which an axis fitted to the data would
+    blow up into a zig-zag across the chart. 10% either side of the value (1 at zero); None when the
+    series really varies (or has no finite value)."""
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return None
+    lo, hi = float(finite.min()), float(finite.max())
+    size = max(abs(lo), abs(hi))
+    if hi - lo > FLAT_TOL * size:
+        return None
+    mid = (lo + hi) / 2
+    pad = 0.1 * abs(mid) if mid else 1.0
+    return mid - pad, mid + pad
 
 
 def thin(n: int, limit: int) -> np.ndarray:

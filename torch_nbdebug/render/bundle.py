@@ -12,10 +12,17 @@ Notebook 7 strip ``<svg>`` and ``<style>``): semantic HTML plus figures as
 drop or escape every ``<img>`` inside HTML — nbconvert's ``--HTMLExporter.sanitize_html=True``
 escapes it into text — but show ``image/png`` outputs; for them :func:`split_figures` turns one saved
 output into its HTML pieces and its pictures as separate ``image/png`` outputs, in order.
+
+A widget lives in the kernel until it is closed, with its whole payload (a graph's SVG, a run's
+curves). Running a cell again clears its outputs in the front end, so the widgets its last run showed
+are closed when the same cell (by the cell id the front end sends: JupyterLab, Notebook 7, VS Code)
+shows its next ones (:func:`retire_earlier`): re-running a cell 50 times keeps one widget, not 50.
 """
 from __future__ import annotations
 
 import re
+import sys
+import weakref
 from html.parser import HTMLParser
 from typing import Any, Callable, Optional
 
@@ -38,6 +45,48 @@ def bundle(text: str, html: Optional[str] = None, widget: Any = None) -> dict[st
     return data
 
 
+# cell id -> (the run that displayed them, weak references to the widgets it displayed)
+_SHOWN: dict[str, tuple[Any, list[Any]]] = {}
+
+
+def _running_cell() -> Optional[tuple[str, Any]]:
+    """(cell id, this run) of the cell running now, when the front end sent a cell id. The run is
+    IPython's ``ExecutionInfo`` of the cell (one per run), else the execution count."""
+    ipython = sys.modules.get("IPython")  # never imported here: a kernel has it loaded already
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return None
+    info = getattr(getattr(getattr(shell, "displayhook", None), "exec_result", None), "info", None)
+    cell = getattr(info, "cell_id", None)
+    if cell:
+        return (cell, info) if isinstance(cell, str) else None
+    header = getattr(shell, "parent_header", None)
+    meta = header.get("metadata") if isinstance(header, dict) else None
+    cell = meta.get("cellId") if isinstance(meta, dict) else None
+    return (cell, getattr(shell, "execution_count", None)) if isinstance(cell, str) and cell else None
+
+
+def retire_earlier(widget: Any) -> None:
+    """Note ``widget`` as shown by the running cell; close the widgets an earlier run of the same
+    cell showed (the front end cleared their outputs when the cell started again)."""
+    running = _running_cell()
+    if running is None:
+        return
+    cell, run = running
+    last = _SHOWN.get(cell)
+    if last is not None and (last[0] is run if not isinstance(run, int) else last[0] == run):
+        last[1].append(weakref.ref(widget))
+        return
+    _SHOWN[cell] = (run, [weakref.ref(widget)])
+    for ref in last[1] if last is not None else ():
+        old = ref()
+        if old is not None and old is not widget:
+            layout = getattr(old, "layout", None)  # a model of its own, kept until closed too
+            old.close()
+            if layout is not None and hasattr(layout, "close"):
+                layout.close()
+
+
 class Displayable:
     """Mixin for result objects: ``text()``, ``html()`` and an optional ``widget()`` make the bundle.
 
@@ -56,6 +105,8 @@ class Displayable:
             live = self.widget()
         except ImportError:
             live = None
+        if live is not None:
+            retire_earlier(live)
         return bundle(self.text(), self.html(), live)
 
     def __repr__(self) -> str:

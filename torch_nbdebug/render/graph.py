@@ -333,7 +333,7 @@ class GraphExplorer(Displayable):
         return {**self.data.to_dict(), "expanded": sorted(self.expanded)}
 
     def widget(self) -> "GraphWidget":
-        if self._widget is None:
+        if self._widget is None or self._widget.comm is None:  # a closed one (its cell re-ran) is not reused
             self._widget = GraphWidget(self)
         return self._widget
 

@@ -3,11 +3,14 @@ widget (``static/monitor.js``: smoothing, log scale, zoom, per-layer panels) and
 
 The static view must survive notebook sanitizers (GitHub, nbviewer, JupyterLab's untrusted
 outputs), so it is an ``<img>`` with a ``data:`` PNG plus text: no inline SVG, no ``<style>``, and
-nothing whose meaning depends on a ``style=`` attribute.
+nothing whose meaning depends on a ``style=`` attribute. The picture is drawn by
+:mod:`torch_nbdebug.render.figures` (a palette PNG: a saved monitor output stays a few tens of KB).
+
+Alerts are listed grouped (:func:`~torch_nbdebug.process.monitor.group_alerts`): one row per step and
+kind, the worst layer named with a count, the per-layer rows folded; the first non-finite value first.
 """
 from __future__ import annotations
 
-import io
 import math
 from typing import Any, Optional
 
@@ -15,19 +18,24 @@ import numpy as np
 import traitlets
 
 from torch_nbdebug.data.monitor import Alert, MonitorHistory
-from torch_nbdebug.process.monitor import smooth, thin
-from torch_nbdebug.render.figures import img_tag
+from torch_nbdebug.process.monitor import AlertGroup, flat_limits, group_alerts, smooth, thin
+from torch_nbdebug.render.figures import img_tag, png
 from torch_nbdebug.render.html import esc
 from torch_nbdebug.render.live import MAX_POINTS, Progress
 from torch_nbdebug.render.widget import View, esm_path
 
 ALERT_COLOURS = {"non-finite": "#cf222e", "spike": "#bc4c00", "plateau": "#9a6700", "vanishing": "#8250df",
                  "exploding": "#bc4c00"}
+# Layer curves, told apart at a glance (Okabe-Ito's colour-blind-safe set, with black): the static
+# figure and the widget (sent in its meta) draw with the same list.
+LAYER_COLOURS = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#000000", "#8c8c8c")
+SERIES_COLOUR = "#0969da"
 _WIDGET_POINTS = 2000   # points per watched series sent to the widget
 _FIGURE_POINTS = 5000   # points per line in the static figure
 _LAYER_POINTS = 400     # steps of the per-layer arrays sent to the widget
-_TEXT_ALERTS = 8        # alerts listed in the text summary
+_TEXT_ALERTS = 8        # alert rows (groups) listed in the text summary
 _HTML_ALERTS = 20       # and in the static HTML
+_FIGURE_WIDTH = 640     # CSS px of the static figure; each panel 150 px high
 _FIGURE_LAYERS = 8      # layers drawn in the static figure (largest last norm first, flagged ones always)
 
 
@@ -62,11 +70,12 @@ def text(history: MonitorHistory, alerts: tuple[Alert, ...]) -> str:
         k = int(np.nanargmin(np.where(finite, series, np.nan)))
         lines.append(f"  {name}: last {fmt(float(series[-1]))}, min {fmt(float(series[k]))} at step {history.steps[k]}")
     lines += _layer_lines(history)
-    if alerts:
+    groups = group_alerts(alerts)
+    if groups:
         lines.append("alerts:")
-        lines += [f"  {a.kind}: {a.message()}" for a in alerts[:_TEXT_ALERTS]]
-        if len(alerts) > _TEXT_ALERTS:
-            lines.append(f"  ... and {len(alerts) - _TEXT_ALERTS} more (all of them in .alerts)")
+        lines += [f"  {g.kind}: {g.message()}" for g in groups[:_TEXT_ALERTS]]
+        if len(groups) > _TEXT_ALERTS:
+            lines.append(f"  ... and {len(groups) - _TEXT_ALERTS} more (all of them in .alerts)")
     lines += [f"could not evaluate {name!r} ({why}); it is NaN in the history" for name, why in history.errors.items()]
     lines += [f"note: {n}" for n in history.notes]
     return "\n".join(lines)
@@ -93,40 +102,53 @@ def figure_png(history: MonitorHistory, alerts: tuple[Alert, ...], smoothing: fl
     if not len(history):
         return None
     try:
-        from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+        import matplotlib  # noqa: F401 - drawn through render.figures (no pyplot, the user's rcParams untouched)
     except ImportError:
         return None
     panels = list(range(min(len(history.expressions), 3)))
     has_layers = bool(history.layers) and (history.grad_norm > 0).any()
-    fig = Figure(figsize=(7.5, 1.9 * (len(panels) + has_layers) + 0.3), dpi=90)
-    axes = fig.subplots(len(panels) + has_layers, 1, sharex=True, squeeze=False)[:, 0]
     keep = thin(len(history), _FIGURE_POINTS)  # alerts are marked from the full series
     steps = history.steps[keep]
-    for ax, i in zip(axes, panels):
-        name, series = history.expressions[i], history.values[:, i]
-        ax.plot(steps, series[keep], color="#0969da", alpha=0.3, linewidth=0.8)
-        ax.plot(steps, smooth(series, smoothing)[keep], color="#0969da", linewidth=1.5,
-                label=f"smoothed ({smoothing:g})")
+
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(len(panels) + has_layers, 1, sharex=True, squeeze=False)[:, 0]
+        for ax, i in zip(axes, panels):
+            name, series = history.expressions[i], history.values[:, i]
+            smoothed = smooth(series, smoothing)
+            ax.plot(steps, series[keep], color=SERIES_COLOUR, alpha=0.3, linewidth=0.8)
+            ax.plot(steps, smoothed[keep], color=SERIES_COLOUR, linewidth=1.5, label=f"smoothed ({smoothing:g})")
+            _y_range(ax, series, smoothed)
+            ax.set_ylabel(_short(name), fontsize=8)
+            _mark(ax, [a for a in alerts if a.of == "value" and a.series == name])
+        if has_layers:
+            ax = axes[-1]
+            for colour, li in zip(LAYER_COLOURS, _figure_layers(history, alerts)):
+                column = history.grad_norm[keep, li]
+                ax.plot(steps, np.where(column > 0, column, np.nan), linewidth=1, color=colour,
+                        label=_short(history.layers[li]))
+            ax.set_yscale("log")
+            ax.set_ylabel("grad norm per layer", fontsize=8)
+            _mark(ax, [a for a in alerts if a.of == "layer"])
+        axes[-1].set_xlabel("optimizer step", fontsize=8)
+        for ax in axes:
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        fig.tight_layout(pad=0.4)
+
+    return png(draw, _FIGURE_WIDTH, 150 * (len(panels) + has_layers) + 20)
+
+
+def _y_range(ax: Any, series: np.ndarray, smoothed: np.ndarray) -> None:
+    """A log axis for positive series spanning over 100x; a flat one for a series constant within
+    float noise (a fixed learning rate, smoothed); plain numbers on the ticks (no offset)."""
+    flat = flat_limits(np.concatenate([series, smoothed]))
+    if flat is not None:
+        ax.set_ylim(*flat)
+    else:
         _log_if_wide(ax, series)
-        ax.set_ylabel(_short(name), fontsize=8)
-        _mark(ax, [a for a in alerts if a.of == "value" and a.series == name])
-    if has_layers:
-        ax = axes[-1]
-        for li in _figure_layers(history, alerts):
-            column = history.grad_norm[keep, li]
-            norms = np.where(column > 0, column, np.nan)
-            ax.plot(steps, norms, linewidth=1, label=_short(history.layers[li]))
-        ax.set_yscale("log")
-        ax.set_ylabel("grad norm per layer", fontsize=8)
-        _mark(ax, [a for a in alerts if a.of == "layer"])
-    axes[-1].set_xlabel("optimizer step", fontsize=8)
-    for ax in axes:
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    formatter = ax.yaxis.get_major_formatter()
+    if hasattr(formatter, "set_useOffset"):
+        formatter.set_useOffset(False)
 
 
 def _short(name: str, limit: int = 28) -> str:
@@ -165,13 +187,28 @@ def html(history: MonitorHistory, alerts: tuple[Alert, ...]) -> str:
         alt = "training curves of " + ", ".join(history.expressions) + " by optimizer step"
         width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # PNG's IHDR
         parts.append(img_tag(png, alt, width, height))
-    if alerts:
-        more = f"<li>... and {len(alerts) - _HTML_ALERTS} more (all of them in .alerts)</li>" \
-            if len(alerts) > _HTML_ALERTS else ""
-        parts.append("<p><b>Alerts</b></p><ul>" + "".join(
-            f"<li><b>{esc(a.kind)}</b>: {esc(a.message())}</li>" for a in alerts[:_HTML_ALERTS]) + more + "</ul>")
+    groups = group_alerts(alerts)
+    if groups:
+        more = f"<li>... and {len(groups) - _HTML_ALERTS} more (all of them in .alerts)</li>" \
+            if len(groups) > _HTML_ALERTS else ""
+        parts.append('<p><b>Alerts</b></p><ul class="tnd-alerts">' + "".join(
+            _alert_item(g) for g in groups[:_HTML_ALERTS]) + more + "</ul>")
     parts.append(f"<pre>{esc(text(history, alerts))}</pre></div>")
     return "".join(parts)
+
+
+def _alert_item(group: AlertGroup) -> str:
+    """One row; a group of layers folds its per-layer rows under it (``<details>`` keeps sanitized)."""
+    head = f"<b>{esc(group.kind)}</b>: {esc(group.message())}"
+    if len(group.members) == 1:
+        return f"<li>{head}</li>"
+    rows = "".join(f"<li>{esc(a.message())}</li>" for a in group.members)
+    return f"<li><details><summary>{head}</summary><ul>{rows}</ul></details></li>"
+
+
+def _group_json(group: AlertGroup) -> dict[str, Any]:
+    return {"kind": group.kind, "step": group.step, "series": group.worst.series, "message": group.message(),
+            "count": len(group.members), "layers": [a.message() for a in group.members] if len(group.members) > 1 else []}
 
 
 # -- widget ----------------------------------------------------------------------------------
@@ -206,6 +243,7 @@ def fill(view: MonitorView, history: MonitorHistory, alerts: tuple[Alert, ...]) 
             "steps": [int(s) for s in history.steps[keep]], "layer_steps": [int(s) for s in history.steps[rows]],
             "layers": list(history.layers),
             "alerts": [{"kind": a.kind, "step": a.step, "series": a.series, "message": a.message()} for a in alerts],
+            "groups": [_group_json(g) for g in group_alerts(alerts)], "colours": list(LAYER_COLOURS),
             "errors": [f"could not evaluate {k!r}: {v}" for k, v in history.errors.items()],
             "notes": list(history.notes)}
         view.values = history.values[keep].astype(np.float32).tobytes()
@@ -233,9 +271,9 @@ def progress(history: MonitorHistory, alerts: tuple[Alert, ...]) -> Progress:
                                                for li in layers]})
     if alerts:
         panels.append({"kind": "table", "title": "alerts", "columns": ["step", "alert", "what"],
-                       "rows": [[str(a.step), a.kind, a.message()] for a in alerts]})
+                       "rows": [[str(g.step), g.kind, g.message()] for g in group_alerts(alerts)]})
     last = ", ".join(f"{name} {fmt(history.last(name))}" for name in history.expressions) if n else "waiting for the first optimizer step"
-    status = f"step {int(history.steps[-1]) if n else 0}: {last}" + (f" · {len(alerts)} alert(s)" if alerts else "")
+    status = f"step {int(history.steps[-1]) if n else 0}: {last}" + (f" · {len(group_alerts(alerts))} alert(s)" if alerts else "")
     return Progress(status=status, panels=panels, alert=bool(alerts))
 
 

@@ -75,6 +75,15 @@ def report_text(summary: ReproSummary, finished: bool = True) -> str:
     return "\n".join(lines)
 
 
+def code_spans(text: str) -> str:
+    """Escaped text with its `backticked` parts as ``<code>`` (an unpaired backtick stays as written)."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an odd number of backticks: the last one opens nothing
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return "".join(f'<code style="background:{_CODE_BG};padding:1px 4px">{esc(p)}</code>' if i % 2 else esc(p)
+                   for i, p in enumerate(parts))
+
+
 def _row(label: str, value: str) -> str:
     return (f'<tr><th style="text-align:left;padding:2px 8px 2px 0;vertical-align:top;font-weight:600;'
             f'white-space:nowrap">{esc(label)}</th><td style="text-align:left;padding:2px 0">{value}</td></tr>')
@@ -111,7 +120,7 @@ def report_html(summary: ReproSummary, finished: bool = True) -> str:
              f'<div style="color:{border};margin-bottom:4px"><b>{esc(headline(summary, finished))}</b></div>']
     rows: list[str] = _first_rows(summary.first) if summary.first is not None else []
     if summary.hint:
-        rows.append(_row("fix", esc(summary.hint)))
+        rows.append(_row("fix", code_spans(summary.hint)))
     for use in summary.nondeterministic_ops:
         at = f" - line {use.lineno}: <code>{esc(use.line)}</code>" if use.lineno else ""
         rows.append(_row(f"nondeterministic on {use.device}", f"<code>{esc(use.op)}</code> x{use.count}{at}"))

@@ -1,10 +1,14 @@
 // %%monitor view: one chart per watched series (raw + smoothed, alerts marked), a per-layer chart
 // (gradient norm or update/parameter ratio), smoothing, log scale and zoom (drag across a chart, or
-// click an alert). Plain ES module, no CDN. `smoothing`, `log_scale`, `zoom` and `panel` sync both ways.
+// click an alert). Hovering a chart shows the values at the step under the pointer. A series constant
+// within float noise (a fixed learning rate, smoothed) is drawn flat; tick labels never repeat.
+// Alerts are listed one row per step and kind (the per-layer rows folded under it).
+// Plain ES module, no CDN. `smoothing`, `log_scale`, `zoom` and `panel` sync both ways.
 
 const SVG = "http://www.w3.org/2000/svg";
 const W = 640, H = 150, PAD = { l: 56, r: 12, t: 8, b: 24 };
-const COLORS = ["#0969da", "#bc4c00", "#1a7f37", "#8250df", "#cf222e", "#57606a", "#9a6700", "#0550ae"];
+const SERIES = "#0969da";
+const FLAT_TOL = 1e-9;  // as process.monitor.FLAT_TOL: a spread below this fraction of the value is flat
 const ALERT = { "non-finite": "#cf222e", spike: "#bc4c00", plateau: "#9a6700", vanishing: "#8250df", exploding: "#bc4c00" };
 
 function floats(view) {
@@ -31,11 +35,7 @@ function s(tag, attrs, text) {
   return el;
 }
 
-function num(v) {
-  if (!Number.isFinite(v)) return String(v);
-  const a = Math.abs(v);
-  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(2) : String(Number(v.toPrecision(4)));
-}
+const num = (v) => numAt(v, 4);
 
 // TensorBoard-style debiased exponential moving average, skipping non-finite points.
 function smooth(y, w) {
@@ -49,7 +49,32 @@ function smooth(y, w) {
   return out;
 }
 
-// One chart: lines over steps within [x0, x1]; drag to zoom; alerts as dashed vertical lines.
+// The y range: a series flat within FLAT_TOL gets 10% either side of its value (1 at zero).
+function yRange(vals) {
+  let lo = Math.min(...vals), hi = Math.max(...vals);
+  if (hi - lo <= FLAT_TOL * Math.max(Math.abs(lo), Math.abs(hi))) {
+    const mid = (lo + hi) / 2, pad = mid ? 0.1 * Math.abs(mid) : 1;
+    lo = mid - pad; hi = mid + pad;
+  }
+  return [lo, hi];
+}
+
+// Tick labels for values: more digits until no two read the same, then duplicates dropped.
+function tickLabels(values, fmt) {
+  for (let digits = 4; digits <= 12; digits++) {
+    const labels = values.map((v) => fmt(v, digits));
+    if (new Set(labels).size === labels.length) return labels;
+  }
+  return values.map((v, i) => (i && fmt(v, 12) === fmt(values[i - 1], 12) ? "" : fmt(v, 12)));
+}
+
+function numAt(v, digits) {
+  if (!Number.isFinite(v)) return String(v);
+  const a = Math.abs(v);
+  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(digits - 2) : String(Number(v.toPrecision(digits)));
+}
+
+// One chart: lines over steps within [x0, x1]; drag to zoom; hover for values; alerts as dashed lines.
 function chart({ x, lines, log, x0, x1, alerts, label, onZoom }) {
   const inRange = (k) => x[k] >= x0 && x[k] <= x1;
   const ok = (v) => Number.isFinite(v) && (!log || v > 0);
@@ -62,20 +87,20 @@ function chart({ x, lines, log, x0, x1, alerts, label, onZoom }) {
     svg.append(s("text", { x: PAD.l, y: H / 2, "font-size": 12, fill: "#57606a" }, "no finite values in this range"));
     return svg;
   }
-  let lo = Math.min(...vals), hi = Math.max(...vals);
-  if (hi === lo) { hi += 0.5; lo -= 0.5; }
+  const [lo, hi] = yRange(vals);
   const sx = (v) => PAD.l + (x1 > x0 ? (v - x0) / (x1 - x0) : 0.5) * (W - PAD.l - PAD.r);
   const sy = (v) => H - PAD.b - ((v - lo) / (hi - lo)) * (H - PAD.t - PAD.b);
   svg.append(s("line", { x1: PAD.l, y1: H - PAD.b, x2: W - PAD.r, y2: H - PAD.b, stroke: "#8c959f" }));
   svg.append(s("line", { x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b, stroke: "#8c959f" }));
-  for (const f of [0, 0.5, 1]) {
-    const v = lo + f * (hi - lo);
-    svg.append(s("text", { x: PAD.l - 4, y: sy(v) + 4, "text-anchor": "end", "font-size": 10, fill: "#57606a" },
-      num(log ? 10 ** v : v)));
-    const xv = x0 + f * (x1 - x0);
-    svg.append(s("text", { x: sx(xv), y: H - 6, "text-anchor": "middle", "font-size": 10, fill: "#57606a" },
-      String(Math.round(xv))));
-  }
+  const fr = [0, 0.5, 1], ys = fr.map((f) => lo + f * (hi - lo));
+  const yLabels = tickLabels(ys.map((v) => (log ? 10 ** v : v)), numAt);
+  const xLabels = tickLabels(fr.map((f) => Math.round(x0 + f * (x1 - x0))), (v) => String(v));
+  fr.forEach((f, i) => {
+    svg.append(s("text", { x: PAD.l - 4, y: sy(ys[i]) + 4, "text-anchor": "end", "font-size": 10, fill: "#57606a",
+      class: "tnd-ytick" }, yLabels[i]));
+    if (xLabels[i]) svg.append(s("text", { x: sx(x0 + f * (x1 - x0)), y: H - 6, "text-anchor": "middle",
+      "font-size": 10, fill: "#57606a", class: "tnd-xtick" }, xLabels[i]));
+  });
   lines.forEach((ln) => {
     let d = "", pen = "M";
     ln.y.forEach((v, k) => {
@@ -104,8 +129,30 @@ function chart({ x, lines, log, x0, x1, alerts, label, onZoom }) {
     const px = ((ev.clientX - r.left) / r.width) * W;
     return x0 + ((px - PAD.l) / (W - PAD.l - PAD.r)) * (x1 - x0);
   };
+  // Hover: a guide at the nearest recorded step and its values (each line's, in its colour).
+  const guide = s("line", { y1: PAD.t, y2: H - PAD.b, stroke: "#8c959f", visibility: "hidden" });
+  const tip = s("text", { y: PAD.t + 10, "font-size": 10, class: "tnd-hover", visibility: "hidden",
+    "paint-order": "stroke", style: "stroke: var(--tnd-bg, #fff)", "stroke-width": 3 });
+  svg.append(guide, tip);
+  const hover = (ev) => {
+    const at = stepAt(ev);
+    let k = -1;
+    x.forEach((xv, j) => { if (inRange(j) && (k < 0 || Math.abs(xv - at) < Math.abs(x[k] - at))) k = j; });
+    if (k < 0) return;
+    const px = sx(x[k]), right = px > (W + PAD.l) / 2;
+    guide.setAttribute("x1", px); guide.setAttribute("x2", px); guide.setAttribute("visibility", "visible");
+    const tx = right ? px - 6 : px + 6;
+    const rows = [["step " + x[k], null], ...lines.map((ln) => [`${ln.short || ln.name} ${num(ln.y[k])}`, ln.color])];
+    tip.replaceChildren(...rows.map(([t, c], i) => s("tspan", c ? { x: tx, dy: 12, fill: c } : { x: tx,
+      "font-weight": "bold" }, t)));
+    tip.setAttribute("x", tx);
+    tip.setAttribute("text-anchor", right ? "end" : "start");
+    tip.setAttribute("visibility", "visible");
+  };
+  svg.addEventListener("pointerleave", () => { guide.setAttribute("visibility", "hidden"); tip.setAttribute("visibility", "hidden"); });
   svg.addEventListener("pointerdown", (ev) => { start = stepAt(ev); });
   svg.addEventListener("pointermove", (ev) => {
+    hover(ev);
     if (start === null) return;
     const a = sx(Math.min(start, stepAt(ev))), b = sx(Math.max(start, stepAt(ev)));
     band.setAttribute("x", a); band.setAttribute("width", Math.max(b - a, 0));
@@ -159,10 +206,12 @@ function render({ model, el }) {
       const alerts = meta.alerts.filter((a) => a.series === name);
       charts.push(h("div", { class: "tnd-series" }, h("h3", {}, name),
         chart({ x: steps, log, x0, x1, alerts, label: `${name} by optimizer step`, onZoom: setZoom,
-          lines: [{ y, color: COLORS[0], opacity: 0.3, width: 1, name: `${name} (raw)`, cls: "tnd-raw" },
-            { y: smooth(y, w), color: COLORS[0], name: `${name} (smoothed ${w.toFixed(2)})`, cls: "tnd-smooth" }] })));
+          lines: [{ y, color: SERIES, opacity: 0.3, width: 1, name: `${name} (raw)`, short: "value", cls: "tnd-raw" },
+            { y: smooth(y, w), color: SERIES, name: `${name} (smoothed ${w.toFixed(2)})`, short: "smoothed",
+              cls: "tnd-smooth" }] })));
     }
     let layerBox = null;
+    const colors = meta.colours || [SERIES];
     if (nL && lsteps.length) {
       const pick = h("select", { class: "tnd-panel", "aria-label": "layer figure" },
         h("option", { value: "norm" }, "gradient norm"), h("option", { value: "ratio" }, "update / parameter ratio"));
@@ -176,17 +225,23 @@ function render({ model, el }) {
       const shown = order.slice(0, 8);
       const lines = shown.map((li, i) => ({
         y: Float64Array.from(lsteps, (_, k) => { const v = layerData[k * nL + li]; return v < 0 ? NaN : v; }),
-        color: COLORS[i % COLORS.length], width: 1.2, name: meta.layers[li] }));
+        color: colors[i % colors.length], width: 1.2, name: meta.layers[li] }));
       const alerts = meta.alerts.filter((a) => meta.layers.includes(a.series));
       layerBox = h("div", { class: "tnd-layers" }, h("h3", {}, "per layer: ", pick,
         h("span", { class: "muted" }, nL > 8 ? ` (${shown.length} of ${nL} layers: flagged, then largest)` : "")),
         chart({ x: lsteps, log: true, x0, x1, alerts, label: "per-layer values by optimizer step", onZoom: setZoom, lines }),
         h("div", { class: "legend" }, shown.map((li, i) =>
-          h("span", {}, h("span", { class: "swatch", style: `background:${COLORS[i % COLORS.length]}` }), meta.layers[li]))));
+          h("span", {}, h("span", { class: "swatch", style: `background:${colors[i % colors.length]}` }), meta.layers[li]))));
     }
-    const alertList = meta.alerts.length ? h("ul", { class: "tnd-alerts" }, meta.alerts.map((a) =>
-      h("li", {}, h("button", { class: "tnd-alert", title: "zoom to this step",
-        onclick: () => setZoom([Math.max(first, a.step - 20), Math.min(last, a.step + 20)]) }, a.kind), " ", a.message))) : null;
+    const groups = meta.groups || meta.alerts;
+    const alertRow = (g) => {
+      const head = [h("button", { class: "tnd-alert", title: "zoom to this step",
+        onclick: () => setZoom([Math.max(first, g.step - 20), Math.min(last, g.step + 20)]) }, g.kind), " ", g.message];
+      if (!g.layers || !g.layers.length) return h("li", {}, ...head);
+      return h("li", {}, h("details", { class: "tnd-alert-layers" }, h("summary", {}, ...head),
+        h("ul", {}, g.layers.map((m) => h("li", {}, m)))));
+    };
+    const alertList = groups.length ? h("ul", { class: "tnd-alerts" }, groups.map(alertRow)) : null;
     const parts = [h("h3", { class: "tnd-title" }, meta.title), controls, ...charts, layerBox, alertList,
       ...meta.errors.map((t) => h("p", { class: "warn" }, t)), ...meta.notes.map((t) => h("p", { class: "muted" }, t))];
     root.replaceChildren(...parts.filter((p) => p !== null));
