@@ -100,3 +100,21 @@ def test_nanwatch_card_says_which_cell_a_line_outside_it_is_in(ipython: Any) -> 
     assert f"In [{defined}], line 5" in report.html() and ">line 3<" in report.html()
     assert report.widget().report["cell"] == watched
     assert f"NaN born in forward: aten.div.Tensor in model (In [{defined}], line 5)" in text
+
+
+def test_explain_card_says_which_cell_a_line_outside_it_is_in(ipython: Any) -> None:
+    """A shape error raised in a module defined in an earlier cell: the card names that cell."""
+    ipython.run_cell("import torch\nfrom torch import nn\nclass Head(nn.Module):\n    def __init__(self):\n"
+                     "        super().__init__()\n        self.fc = nn.Linear(8, 2)\n"
+                     "    def forward(self, x):\n        return self.fc(x)\nhead = Head()", store_history=True)
+    defined = ipython.execution_count - 1
+    ipython.run_cell("%%explain\nx = torch.ones(3, 5)\ny = head(x)", store_history=True)
+    shown = ipython.execution_count - 1
+    diagnosis = ipython.user_ns["_explain"]
+    ipython.user_ns.pop("head")
+    assert diagnosis.kind == "shape"
+    assert diagnosis.here == shown and diagnosis.cell == defined
+    assert diagnosis.where_label == f"In [{defined}], line 8"
+    assert f"In [{defined}], line 8: return self.fc(x)" in diagnosis.text()
+    assert f"In [{defined}], line 8" in diagnosis.html()
+    assert diagnosis.to_dict()["where_label"] == f"In [{defined}], line 8"

@@ -19,7 +19,7 @@ from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.explain import ExplainRecorder
 from torch_nbdebug.record.explain_indices import IndexCheckError
 from torch_nbdebug.record.explain_trace import failure_facts
-from torch_nbdebug.record.source import UserNamespace, caller_namespace
+from torch_nbdebug.record.source import UserNamespace, caller_namespace, cell_number, running_cell_number
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["explain", "explain_exception", "Diagnosis", "Explanation", "Operand", "IndexCheckError"]
@@ -167,9 +167,19 @@ def _safe_diagnosis(exc: BaseException, namespace: Optional[Mapping[str, Any]],
             recording = recorder.recording(wanted)
             facts = dataclasses.replace(facts, operands=tuple(_producer(o, recording) for o in facts.operands))
         data = diagnose(facts, recording)
+        if data is not None:
+            data = _with_cells(data)
     except Exception:  # noqa: BLE001 - an explanation is a bonus; the user's error must stay theirs
         return None
     return Diagnosis.of(data) if data is not None else None
+
+
+def _with_cells(d: DiagnosisData) -> DiagnosisData:
+    """The cell the card is shown under and the cells of its lines, so it says ``In [2], line 3`` for a
+    line that is not in the cell it is shown under (as every view does)."""
+    return dataclasses.replace(d, here=running_cell_number(),
+                               cell=cell_number(d.filename) if d.filename else None,
+                               culprit_cell=cell_number(d.culprit_filename) if d.culprit_filename else None)
 
 
 def _producer(operand: Operand, recording: Recording) -> Operand:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
 
+from torch_nbdebug.data.source import line_label
+
 Kind = Literal["shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other"]
 KINDS: tuple[str, ...] = ("shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other")
 CutHow = Literal["no_grad", "detach", "data", "item", "numpy", "tolist", "tensor"]
@@ -148,6 +150,19 @@ class Diagnosis:
     suggest_record: bool = False  # a %%explain run would tell more (the culprit of an in-place error)
     restart_needed: bool = False  # a CUDA device-side assert broke the context
     note: str = ""  # how the run differed from a plain one (compiled code ran eagerly under the recorder)
+    here: Optional[int] = None  # the cell the card is shown under (the 7 of ``In [7]``), when known
+    cell: Optional[int] = None  # the earlier cell the error's line is in, when known
+    culprit_cell: Optional[int] = None  # likewise for the culprit's line
+
+    @property
+    def where_label(self) -> str:
+        """``line 3`` in the cell the card is under, ``In [2], line 3`` in another, ``model.py, line 3``."""
+        return line_label(self.lineno, self.filename, self.cell, self.here) if self.lineno else ""
+
+    @property
+    def culprit_label(self) -> str:
+        return line_label(self.culprit_lineno, self.culprit_filename, self.culprit_cell,
+                          self.here) if self.culprit_lineno else ""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "where_label": self.where_label, "culprit_label": self.culprit_label}

@@ -35,7 +35,7 @@ def where(d: Diagnosis) -> str:
     """``model.fc, line 7: return self.fc(x)``."""
     parts = [f"`{d.module}`"] if d.module else []
     if d.lineno:
-        parts.append(f"line {d.lineno}" + (f": {d.line}" if d.line else ""))
+        parts.append(d.where_label + (f": {d.line}" if d.line else ""))
     return ", ".join(parts)
 
 
@@ -46,7 +46,7 @@ def culprit(d: Diagnosis) -> str:
     if d.culprit_module:
         text += f" in `{d.culprit_module}`"
     if d.culprit_lineno:
-        text += f", line {d.culprit_lineno}" + (f": {d.culprit_line}" if d.culprit_line else "")
+        text += f", {d.culprit_label}" + (f": {d.culprit_line}" if d.culprit_line else "")
     return text.strip(", ")
 
 

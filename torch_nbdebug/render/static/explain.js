@@ -28,19 +28,20 @@ function rich(text) {
 const shapeText = (shape) => (shape ? `[${shape.join(", ")}]` : "?");
 
 // "model.fc · line 7: return self.fc(x)"
-function site(module, lineno, line, moduleClass) {
+// label: "line 7" in the cell the card is under, "In [2], line 7" in another (data/source.py's line_label)
+function site(module, lineno, line, moduleClass, label) {
   const out = [];
   if (module) out.push(h("code", { class: moduleClass }, module));
-  if (lineno) out.push(out.length ? " · " : "", `line ${lineno}`, line ? [": ", h("code", { class: "xp-line" }, line)] : "");
+  if (lineno) out.push(out.length ? " · " : "", label || `line ${lineno}`, line ? [": ", h("code", { class: "xp-line" }, line)] : "");
   return out;
 }
 
 function factsTable(d) {
   const rows = [];
-  const where = site(d.module, d.lineno, d.line, "xp-module");
+  const where = site(d.module, d.lineno, d.line, "xp-module", d.where_label);
   if (where.length) rows.push(["Where", "tnd-explain-where", where]);
   if (d.op) rows.push(["Op", "tnd-explain-op", h("code", {}, d.op)]);
-  const culprit = site(d.culprit_module, d.culprit_lineno, d.culprit_line, "xp-culprit-module");
+  const culprit = site(d.culprit_module, d.culprit_lineno, d.culprit_line, "xp-culprit-module", d.culprit_label);
   if (d.culprit_op || culprit.length) {
     rows.push(["Culprit", "tnd-explain-culprit", [d.culprit_op ? h("code", {}, d.culprit_op) : "",
       d.culprit_op && culprit.length ? " in " : "", culprit]]);
