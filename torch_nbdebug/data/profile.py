@@ -108,7 +108,8 @@ class ModuleRow:
 @dataclass(frozen=True)
 class LineRow:
     """A statement of the user's per step on average: sampled host ms, the share of the step, the
-    top-level ops launched from it, and what it spent in each category."""
+    top-level torch ops launched from it (forward and optimizer: backward replays what the forward
+    lines recorded), the device time of those ops, and what it spent in each category."""
 
     line: SourceLine
     ms: float

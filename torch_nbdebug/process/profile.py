@@ -272,6 +272,8 @@ def _lines(capture: Capture, tree: _Tree, windows: list[tuple[float, float]], co
     device: dict[int, float] = defaultdict(float)
     times = [s.time for s in samples]
     for i in tree.top_ops:
+        if tree.kinds[i] == "backward":
+            continue  # backward nodes all come from `.backward()`: the forward line that recorded them counts
         # An op goes to the line of the first look after it started, when that look came soon (the main
         # thread did not hold the sampler off) and saw no DataLoader: the statement that launched it.
         e = tree.events[i]

@@ -33,7 +33,7 @@ __all__ = [
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
-    "parse_version", "pop_dispatch_mode", "profiler_anti_patterns", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
+    "parse_version", "pop_dispatch_mode", "profiler_anti_patterns", "profiler_running", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
     "queue_backward_callback", "require", "restore_stance", "start_cuda_memory_history",
     "stop_cuda_memory_history", "storage_expired", "storage_id", "storage_key", "storage_use_count",
     "storage_weak_ref", "tensor_key", "tensor_version", "tree_leaves", "unskip_dynamo_codes",
@@ -682,3 +682,10 @@ def profiler_anti_patterns(prof: Any) -> tuple[tuple[str, str, int], ...]:
         if matched:
             found.append((str(pattern.name), str(pattern.description), len(matched)))
     return tuple(found)
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler (or autograd profiler) session is active in this process: a second one
+    would start silently and stopping it would end the first one's session too."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if callable(enabled) else False

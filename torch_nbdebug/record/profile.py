@@ -132,12 +132,11 @@ class ProfileRecorder:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        if compat.profiler_running():
+            raise InputError("another torch.profiler is already running: end its `with` block (or call its "
+                             "stop()) first; one profiler runs at a time")
         prof = profile(activities=activities, record_shapes=False, with_stack=False)
-        try:
-            prof.start()
-        except RuntimeError as exc:
-            raise InputError(f"another torch.profiler is already running ({exc}); stop it first: one profiler "
-                             f"at a time") from None
+        prof.start()
         self.profiler, self._running = prof, True
         before = time.perf_counter_ns()
         with record_function(_CLOCK):  # its start on the profiler's clock is `before` on ours
