@@ -164,6 +164,14 @@ class ProfileRecorder:
                     self._ranges.remove()
             finally:
                 self._stop_profiler()
+                self._release()
+
+    def _release(self) -> None:
+        """Drop the namespace (a twin's is the caller's frame: it would keep its locals alive)."""
+        namespace, self._namespace = self._namespace, None
+        release = getattr(namespace, "release", None)
+        if callable(release):
+            release()
 
     # -- hooks -------------------------------------------------------------------------------
     def _at_top(self) -> None:
