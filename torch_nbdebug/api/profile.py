@@ -218,7 +218,7 @@ def _count(value: Any, what: str, least: int) -> int:
 
 def profile(namespace: Optional[Mapping[str, Any]] = None, *, steps: Optional[int] = 20, warmup: int = 1,
             trace: Optional[PathLike] = None, keep_trace: bool = False, tensorboard: Optional[PathLike] = None,
-            interval: float = 0.001) -> Profile:
+            interval: float = 0.001, tidy: bool = False) -> Profile:
     """Profile the training steps run inside the ``with`` block and say why a step is slow.
 
     Steps are the optimizer's steps (else the DataLoader's batches, else the whole block is one step);
@@ -226,7 +226,9 @@ def profile(namespace: Optional[Mapping[str, Any]] = None, *, steps: Optional[in
     them). Modules are named from ``namespace`` (default: where ``profile`` is called). ``trace`` writes the
     profiled steps as a Chrome/Perfetto trace; ``keep_trace`` keeps it in memory for ``export_chrome_trace``;
     ``tensorboard`` writes the breakdown as event files (and the trace, for TensorBoard's profile readers).
-    The sampler looks at the running line every ``interval`` seconds.
+    The sampler looks at the running line every ``interval`` seconds. ``tidy`` also records shapes and
+    Python stacks and lists torch's TorchTidy anti-patterns (``prof.patterns``): as dear as the profiler
+    with ``record_shapes=True, with_stack=True``.
     """
     if steps is not None:
         _count(steps, "steps", 1)
@@ -244,5 +246,6 @@ def profile(namespace: Optional[Mapping[str, Any]] = None, *, steps: Optional[in
         require_tensorboard()
     names = namespace if namespace is not None else caller_namespace()
     recorder = ProfileRecorder(names, steps=steps, warmup=warmup, interval=float(interval),
-                               keep_trace=bool(keep_trace) or trace is not None or tensorboard is not None)
+                               keep_trace=bool(keep_trace) or trace is not None or tensorboard is not None,
+                               tidy=bool(tidy))
     return Profile(recorder, warmup, paths[0], paths[1], keep=bool(keep_trace))

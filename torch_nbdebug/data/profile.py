@@ -44,6 +44,7 @@ class Event:
     annotation: bool = False
     device: float = 0.0
     on_device: bool = False  # a kernel or a copy on the device's own timeline
+    python: bool = False     # a Python function (recorded with stacks only): not an op
 
 
 @dataclass(frozen=True)

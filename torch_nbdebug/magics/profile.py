@@ -25,6 +25,8 @@ class ProfileMagics(Magics):
               help="also write the profiled steps as a Chrome/Perfetto trace to FILE (open it at ui.perfetto.dev)")
     @argument("--tensorboard", default=None, metavar="DIR",
               help="also write the time by category per step (and the trace) for TensorBoard to DIR")
+    @argument("--tidy", action="store_true",
+              help="also record shapes and Python stacks and list torch's TorchTidy anti-patterns (dearer)")
     @argument("-o", dest="return_report", action="store_true",
               help="return the profile (it is also stored as _profile)")
     @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _profile)")
@@ -58,7 +60,7 @@ class ProfileMagics(Magics):
         body = CellBody(self.shell, cell, "profile")  # a bad cell is a UsageError before profiling
         try:
             prof = profile(self.shell.user_ns, steps=args.steps or None, warmup=args.warmup, trace=trace,
-                           tensorboard=logdir)
+                           tensorboard=logdir, tidy=args.tidy)
         except InputError as exc:
             raise usage_errors(exc) from None
         failed = True

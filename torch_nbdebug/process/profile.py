@@ -44,7 +44,7 @@ def kind_of(e: Event, device: str) -> str:
         return "module"
     if device == "cuda" and name.startswith("cuda") and "Synchronize" in name:
         return "sync"
-    if e.annotation or name.startswith("torch_nbdebug"):
+    if e.annotation or e.python or name.startswith("torch_nbdebug"):
         return "annotation"
     return "op"
 

@@ -33,7 +33,7 @@ __all__ = [
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
-    "parse_version", "pop_dispatch_mode", "profiler_anti_patterns", "profiler_running", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
+    "parse_version", "pop_dispatch_mode", "profiler_anti_patterns", "profiler_events", "profiler_running", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
     "queue_backward_callback", "require", "restore_stance", "start_cuda_memory_history",
     "stop_cuda_memory_history", "storage_expired", "storage_id", "storage_key", "storage_use_count",
     "storage_weak_ref", "tensor_key", "tensor_version", "tree_leaves", "unskip_dynamo_codes",
@@ -643,10 +643,12 @@ def hooked_leaves(tensors: Iterable[torch.Tensor], own: tuple[type, ...] = ()) -
                if t._backward_hooks is not None or getattr(t, "_post_accumulate_grad_hooks", None) is not None)
 
 
-# TorchTidy's anti-patterns (torch.profiler._pattern_matcher, private): the ones that need neither
-# shapes nor Python stacks, which %%profile does not record (they are what makes the profiler dear).
-_ANTI_PATTERNS = ("OptimizerSingleTensorPattern", "GradNotSetToNonePattern", "Conv2dBiasFollowedByBatchNorm2dPattern",
-                  "FP32MatMulPattern")
+# TorchTidy's anti-patterns (torch.profiler._pattern_matcher, private), as report_all_anti_patterns lists
+# them. Each needs Python stacks or input shapes (recorded only when asked: they are what makes the
+# profiler dear), which is why %%profile runs them on request (--tidy).
+_ANTI_PATTERNS = ("ExtraCUDACopyPattern", "FP32MatMulPattern", "OptimizerSingleTensorPattern",
+                  "SynchronizedDataLoaderPattern", "GradNotSetToNonePattern", "Conv2dBiasFollowedByBatchNorm2dPattern",
+                  "MatMulDimInFP16Pattern")
 
 
 class _OneTree:
@@ -689,3 +691,28 @@ def profiler_running() -> bool:
     would start silently and stopping it would end the first one's session too."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(enabled()) if callable(enabled) else False
+
+
+# The utility ops torch.profiler leaves out of its own tables (torch.autograd.profiler_util._filter_name).
+_PROFILER_UTILITY = frozenset({"[memory]", "[OutOfMemory]", "profiler::_record_function_enter",
+                               "profiler::_record_function_enter_new", "profiler::_record_function_exit",
+                               "aten::is_leaf", "aten::output_nr", "aten::_version"})
+
+
+def profiler_events(prof: Any) -> list[tuple[str, int, int, int, bool, bool, bool, int, int]]:
+    """A stopped ``torch.profiler.profile``'s raw Kineto events, without building torch's Python
+    ``FunctionEvent`` tree (most of what ``prof.events()`` and ``key_averages()`` cost): per event
+    ``(name, start ns, end ns, thread, user annotation, Python function, on a device, correlation id,
+    linked correlation id)``, times from the trace's start. A device kernel and a CUDA runtime call are
+    linked to the op that launched them (their linked id is that op's correlation id)."""
+    result = prof.profiler.kineto_results
+    start = result.trace_start_ns()
+    cpu = torch.autograd.DeviceType.CPU
+    out = []
+    for e in result.events():
+        name = e.name()
+        if name in _PROFILER_UTILITY or getattr(e, "is_hidden_event", lambda: False)():
+            continue
+        out.append((name, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(), bool(e.is_user_annotation()),
+                    bool(e.is_python_function()), e.device_type() != cpu, e.correlation_id(), e.linked_correlation_id()))
+    return out

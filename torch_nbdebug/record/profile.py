@@ -3,7 +3,8 @@
 What is installed while the block runs, all removed on exit (also on Stop or an error):
 
 - ``torch.profiler.profile`` with CPU activities, and CUDA ones when a device is there (no shapes, no
-  stacks: the summary does not need them, and they are what makes the profiler dear);
+  stacks: the summary does not need them, and they are what makes the profiler dear; ``tidy=True``
+  records both, for TorchTidy's anti-patterns);
 - global module forward hooks that open a ``record_function`` range per module call, named
   ``module: model.fc`` after the user's variable (``with_modules`` only works for TorchScript); inside
   compiled code they do nothing, so a ``torch.compile``'d model stays compiled and shows as one range;
@@ -13,7 +14,8 @@ What is installed while the block runs, all removed on exit (also on Stop or an 
 - :class:`~torch_nbdebug.record.profile_sampler.LineSampler`, a thread that names the user's statement.
 
 :meth:`ProfileRecorder.finish` reduces the profiler's events to a :class:`~torch_nbdebug.data.profile.Capture`
-(plain tuples on the profiler's clock, the sampler's times moved onto it through a marker range) and
+(plain tuples on the profiler's clock, the sampler's times moved onto it through a marker range), read
+from the raw Kineto events (torch's own ``FunctionEvent`` tree would cost more than the profiling), and
 drops the profiler unless the trace is to be kept.
 """
 from __future__ import annotations
@@ -94,8 +96,8 @@ class ProfileRecorder:
     """Context manager around the profiled code; :meth:`finish` returns the :class:`Capture`."""
 
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, steps: Optional[int] = 20,
-                 warmup: int = 1, interval: float = 0.001, keep_trace: bool = False) -> None:
-        self.steps, self.warmup, self.keep_trace = steps, warmup, keep_trace
+                 warmup: int = 1, interval: float = 0.001, keep_trace: bool = False, tidy: bool = False) -> None:
+        self.steps, self.warmup, self.keep_trace, self.tidy = steps, warmup, keep_trace, tidy
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.profiler: Any = None
         self.notes: list[str] = []
@@ -135,7 +137,7 @@ class ProfileRecorder:
         if compat.profiler_running():
             raise InputError("another torch.profiler is already running: end its `with` block (or call its "
                              "stop()) first; one profiler runs at a time")
-        prof = profile(activities=activities, record_shapes=False, with_stack=False)
+        prof = profile(activities=activities, record_shapes=self.tidy, with_stack=self.tidy)
         prof.start()
         self.profiler, self._running = prof, True
         before = time.perf_counter_ns()
@@ -205,7 +207,7 @@ class ProfileRecorder:
                 any(e.name.startswith("cuda") for e in events):
             notes.append("the profiler recorded no device activity (CUPTI is not working here): device time, "
                          "device idle and kernels are unknown; host times are right")
-        patterns = tuple(Pattern(*p) for p in compat.profiler_anti_patterns(prof))
+        patterns = tuple(Pattern(*p) for p in compat.profiler_anti_patterns(prof)) if self.tidy else ()
         if not self.keep_trace:
             self.profiler = None  # the trace is not kept: only the summary
         return Capture(events=events, samples=samples, lines=lines,
@@ -214,21 +216,38 @@ class ProfileRecorder:
                        steps_seen=self._stepped, notes=tuple(notes), patterns=patterns, contexts=contexts)
 
     def _events(self, prof: Any) -> tuple[tuple[Event, ...], int]:
-        """The profiler's events as plain tuples; sets the clock offset from the marker range."""
-        raw = list(prof.events())
-        index = {id(e): i for i, e in enumerate(raw)}
-        main, cpu = 0, torch.autograd.DeviceType.CPU
-        out: list[Event] = []
-        for e in raw:
-            parent = e.cpu_parent
-            if e.name == _CLOCK:
-                self._offset_ns = self._start_ns - int(e.time_range.start * 1000)
-                main = e.thread
-            out.append(Event(e.name, e.time_range.start, e.time_range.end,
-                             index.get(id(parent), -1) if parent is not None else -1, e.thread,
-                             bool(e.is_user_annotation), float(e.self_device_time_total) if self.device == "cuda" else 0.0,
-                             e.device_type != cpu))
-        return tuple(out), main
+        """The profiler's events as plain tuples, each with its parent on its thread (ranges on a thread
+        nest); sets the clock offset from the marker range."""
+        raw = compat.profiler_events(prof)
+        frontend = {r[7]: r for r in raw if not r[6] and r[8] == 0}   # ops by correlation id
+        device_ns: dict[int, int] = {}
+        rows = []
+        for name, start, end, thread, annotation, python, on_device, corr, linked in raw:
+            if name == _CLOCK:
+                self._offset_ns = self._start_ns - start
+            if on_device:
+                if linked in frontend:
+                    device_ns[linked] = device_ns.get(linked, 0) + (end - start)
+            elif linked in frontend:
+                thread = frontend[linked][3]  # a runtime call runs on the thread of the op that made it
+            rows.append((name, start, end, thread, annotation, python, on_device, corr, linked))
+        main = next((r[3] for r in rows if r[0] == _CLOCK), 0)
+        order = sorted(range(len(rows)), key=lambda k: (rows[k][6], rows[k][3], rows[k][1], -rows[k][2]))
+        parents = [-1] * len(rows)
+        stack: list[int] = []
+        for k in order:
+            name, start, end, thread, _, _, on_device, _, _ = rows[k]
+            while stack and (rows[stack[-1]][3] != thread or rows[stack[-1]][6] or rows[stack[-1]][2] <= start):
+                stack.pop()
+            if on_device:
+                continue
+            parents[k] = stack[-1] if stack else -1
+            stack.append(k)
+        events = tuple(Event(name, start / 1000, end / 1000, parents[k], thread, annotation,
+                             device_ns.get(corr, 0) / 1000 if not on_device and linked == 0 else 0.0, on_device,
+                             python)
+                       for k, (name, start, end, thread, annotation, python, on_device, corr, linked) in enumerate(rows))
+        return events, main
 
     def export_chrome_trace(self, path: str) -> None:
         if self.profiler is None:
