@@ -76,7 +76,8 @@ function timeline(r, model) {
   const [x0, x1] = zoom && zoom.length === 2 ? zoom : [0, end];
   const sx = (v) => PAD.l + ((v - x0) / Math.max(1e-9, x1 - x0)) * (W - PAD.l - PAD.r);
   const svg = s("svg", { width: W, height: LINE_H, viewBox: `0 0 ${W} ${LINE_H}`, class: "plot tnd-timeline", role: "img",
-    "aria-label": `step ${r.timeline_step}: what the host did, ${ms(x0)} to ${ms(x1)}` });
+    "aria-label": `step ${r.timeline_step}: what the host did, ${ms(x0)} to ${ms(x1)}`,
+    "data-lo": x0.toFixed(4), "data-hi": x1.toFixed(4) });
   for (const seg of segs) {
     if (seg.end < x0 || seg.start > x1) continue;
     const a = sx(Math.max(seg.start, x0)), b = sx(Math.min(seg.end, x1));
@@ -110,15 +111,16 @@ function timeline(r, model) {
   const reset = () => { model.set("zoom", []); model.save_changes(); };
   return h("div", {},
     h("p", {}, h("b", {}, `Step ${r.timeline_step}: what the host did `), "(drag across it to zoom) ",
-      h("button", { type: "button", onclick: out, "aria-label": "zoom out" }, "zoom out"), " ",
-      h("button", { type: "button", onclick: reset, "aria-label": "show the whole step" }, "whole step")),
+      h("button", { type: "button", onclick: out, "data-action": "out" }, "zoom out"), " ",
+      h("button", { type: "button", onclick: reset, "data-action": "reset" }, "whole step")),
     svg);
 }
 
 function table(head, rows, onRow) {
   return h("table", {}, h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
     h("tbody", {}, rows.map((cells, k) => {
-      const tr = h("tr", onRow ? { tabindex: "0", role: "button", style: "cursor:pointer" } : {}, cells.map((c) => h("td", {}, c)));
+      const tr = h("tr", onRow ? { tabindex: "0", role: "button", class: "tnd-row", style: "cursor:pointer" } : {},
+        cells.map((c) => h("td", {}, c)));
       if (onRow) {
         tr.addEventListener("click", () => onRow(k));
         tr.addEventListener("keydown", (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); onRow(k); } });
@@ -167,7 +169,7 @@ function render({ model, el }) {
         [h("code", {}, o.name), String(o.calls), ms(o.ms), `${o.median_us.toFixed(0)} µs`, pct(o.share)])));
     for (const p of r.patterns) parts.push(h("p", {}, h("b", {}, `TorchTidy: ${p.name}`), ` (${p.count}×) ${p.description}`));
     for (const n of r.notes) parts.push(h("p", { class: "muted" }, `note: ${n}`));
-    el.replaceChildren(h("div", { class: "tnd tnd-profile" }, parts));
+    el.replaceChildren(h("div", { class: "tnd tnd-profile tnd-profile-widget" }, parts));
   };
   draw();
   model.on("change:report", draw);
