@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 import time
 from typing import Any
@@ -195,6 +196,27 @@ def test_stop_keeps_what_was_profiled_and_the_users_exception_comes_through_unch
     with nb.profile() as again:  # and a new profiler can start: nothing of the old one is running
         train(model, opt, [(x, y)] * 2)
     assert again.breakdown
+
+
+@pytest.mark.parametrize("mode", ["signal", "thread"])
+def test_both_samplers_name_the_slow_line_and_leave_nothing_behind(mode: str, monkeypatch: Any) -> None:
+    """The timer signal (this process: nobody else uses SIGPROF) and the thread it falls back to."""
+    import signal
+
+    from torch_nbdebug.record import profile_sampler
+
+    original = profile_sampler.LineSampler.__init__
+    monkeypatch.setattr(profile_sampler.LineSampler, "__init__",
+                        lambda self, *a, **k: original(self, *a, **{**k, "mode": mode}))
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=4)
+    with nb.profile(steps=4) as prof:
+        train(model, opt, loader)
+    assert prof.verdict.kind == "data" and "math.sin(i * k)" in prof.verdict.line.text
+    assert signal.getsignal(signal.SIGPROF) == signal.SIG_DFL
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    assert not [t for t in threading.enumerate() if t.name.startswith("torch_nbdebug-profile")]
 
 
 def test_profiling_stops_after_warmup_plus_steps_and_the_cell_runs_on() -> None:

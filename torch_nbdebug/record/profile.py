@@ -20,10 +20,13 @@ drops the profiler unless the trace is to be kept.
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
+import os
+import sys
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch.autograd.profiler import record_function
@@ -138,7 +141,8 @@ class ProfileRecorder:
             raise InputError("another torch.profiler is already running: end its `with` block (or call its "
                              "stop()) first; one profiler runs at a time")
         prof = profile(activities=activities, record_shapes=self.tidy, with_stack=self.tidy)
-        prof.start()
+        with _quiet_stderr():
+            prof.start()
         self.profiler, self._running = prof, True
         before = time.perf_counter_ns()
         with record_function(_CLOCK):  # its start on the profiler's clock is `before` on ours
@@ -153,7 +157,8 @@ class ProfileRecorder:
         self._sampler.stop()
         if self._ranges is not None:
             self._ranges.active = False
-        self.profiler.stop()
+        with _quiet_stderr():
+            self.profiler.stop()
 
     def remove(self) -> None:
         with deferred_interrupts():  # a Stop here is raised once everything is removed
@@ -253,6 +258,25 @@ class ProfileRecorder:
         if self.profiler is None:
             raise InputError("the trace was not kept: profile with keep_trace=True (or %%profile --trace FILE)")
         self.profiler.export_chrome_trace(path)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto logs "profiler_start" / "profiler_stop" lines on the process's fd 2 at each start and stop,
+    which a notebook shows under the cell: fd 2 goes to /dev/null for those two calls only."""
+    try:
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no fd 2 here: nothing to silence
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _context(filename: str, lineno: int, around: int = 2) -> tuple[int, tuple[str, ...]]:
