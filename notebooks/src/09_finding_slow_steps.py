@@ -176,7 +176,7 @@ def train_logged(model, batches, steps=8):
         loss = F.mse_loss(model(xb), yb)
         loss.backward()
         opt.step()
-        log.append(sorted(float(v) for v in model(xb).detach().flatten().tolist() * 400)[0])
+        log.append(sorted(float(v) for v in model(xb).detach().flatten().tolist() * 2000)[0])
     return log
 
 
@@ -186,7 +186,7 @@ train_logged(FastSmoother(), ready)
 # <details><summary>Solution</summary>
 #
 # `%%profile` says **host**: most of the step is Python outside torch ops, at the `log.append(sorted(...))`
-# line — it converts every prediction to a Python float and sorts 25,600 of them to find a minimum.
+# line — it converts every prediction to a Python float and sorts 128,000 of them to find a minimum.
 # Ask torch for the minimum instead (one op, no Python loop); the step gets many times shorter, and
 # what is left is the Python around the ops of a sub-millisecond step:
 #
