@@ -111,6 +111,16 @@ def test_bad_input_is_a_usage_error(ip: Any, line: str, cell: str, message: str)
         ip.run_cell_magic("profile", line, cell)
 
 
+def test_a_running_torch_profiler_is_a_usage_error_before_the_cell_runs(ip: Any) -> None:
+    from torch.profiler import profile as torch_profile
+
+    ip.user_ns["ran"] = []
+    with torch_profile():
+        with pytest.raises(UsageError, match="already running"):
+            ip.run_cell_magic("profile", "", "ran.append(1)")
+    assert ip.user_ns.pop("ran") == []
+
+
 def test_no_report_yet_says_what_to_write(ip: Any) -> None:
     ip.user_ns.pop("_profile", None)
     with pytest.raises(UsageError, match="%%profile"):

@@ -1,6 +1,7 @@
 """``%%profile``: why is my step slow — a verdict, the statement and the module, from torch.profiler."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
@@ -65,7 +66,11 @@ class ProfileMagics(Magics):
             raise usage_errors(exc) from None
         failed = True
         try:
-            with prof:
+            with contextlib.ExitStack() as scope:
+                try:
+                    scope.enter_context(prof)
+                except InputError as exc:  # e.g. another torch.profiler is running: before the cell runs
+                    raise usage_errors(exc) from None
                 value = body.run()
             failed = False
         finally:
