@@ -125,6 +125,7 @@ class ProfileRecorder:
                 self._ranges = ModuleRanges(self._namespace, self._at_top)
                 self._ranges.install()
                 self._sampler.start()
+                self._mark_start()
         except BaseException:
             self.remove()
             raise
@@ -144,8 +145,12 @@ class ProfileRecorder:
         with _quiet_stderr():
             prof.start()
         self.profiler, self._running = prof, True
+
+    def _mark_start(self) -> None:
+        """The profiled time starts here, once everything is installed: a marker range whose start on
+        the profiler's clock is ``_start_ns`` on ours (the two clocks are tied through it)."""
         before = time.perf_counter_ns()
-        with record_function(_CLOCK):  # its start on the profiler's clock is `before` on ours
+        with record_function(_CLOCK):
             pass
         self._start_ns = before
 
@@ -153,7 +158,7 @@ class ProfileRecorder:
         if not self._running:
             return
         self._running = False
-        self._end_ns = time.perf_counter_ns()
+        self._end_ns = self._end_ns or time.perf_counter_ns()
         self._sampler.stop()
         if self._ranges is not None:
             self._ranges.active = False
@@ -161,6 +166,8 @@ class ProfileRecorder:
             self.profiler.stop()
 
     def remove(self) -> None:
+        if self._running and not self._end_ns:
+            self._end_ns = time.perf_counter_ns()  # the profiled time ends here, before our clean-up
         with deferred_interrupts():  # a Stop here is raised once everything is removed
             try:
                 self._sampler.stop()

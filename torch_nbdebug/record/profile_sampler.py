@@ -63,6 +63,20 @@ class _Sigevent(ctypes.Structure):  # glibc's struct sigevent (64 bytes); the th
 _CLOCK_MONOTONIC, _SIGEV_THREAD_ID = 1, 4
 
 
+_LIBRARY: list[Any] = []
+
+
+def _libc() -> Any:
+    """The C library with ``timer_create`` (glibc 2.34+ has it, older ones in librt), found once:
+    ``find_library`` runs a subprocess, which would be in the first profiled step's time."""
+    if not _LIBRARY:
+        libc = ctypes.CDLL(None, use_errno=True)  # what this process already links: glibc
+        if getattr(libc, "timer_create", None) is None:
+            libc = ctypes.CDLL(ctypes.util.find_library("rt"), use_errno=True)
+        _LIBRARY.append(libc)
+    return _LIBRARY[0]
+
+
 class SignalTimer:
     """A POSIX timer sending ``SIGPROF`` to this thread every ``interval`` seconds (Linux, glibc), or
     None from :meth:`create` where there is none."""
@@ -75,10 +89,7 @@ class SignalTimer:
         if not sys.platform.startswith("linux") or not hasattr(threading, "get_native_id"):
             return None
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            create = getattr(libc, "timer_create", None)
-            if create is None:
-                libc = ctypes.CDLL(ctypes.util.find_library("rt"), use_errno=True)
+            libc = _libc()
             event = _Sigevent(None, int(signal.SIGPROF), _SIGEV_THREAD_ID, threading.get_native_id())
             timer = ctypes.c_void_p()
             if libc.timer_create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
