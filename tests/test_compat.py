@@ -256,7 +256,16 @@ def test_torch_floor_is_compats() -> None:
     torch_req = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch")
     (floor,) = [Version(s.version) for s in torch_req.specifier if s.operator == ">="]
     assert floor.release[:2] == compat.MIN_TORCH
-    assert Version(torch.__version__.split("+")[0]).release[:2] == compat.MIN_TORCH  # the floor is what runs
+    pinned = _pins()["torch"]  # what ./dev test runs: the floor is what runs
+    assert pinned.release[:2] == compat.MIN_TORCH
+    # ./dev test-newest runs the same suite with requirements/newest.txt's torch: the range tested is
+    # from the floor to that one, and the suite runs with no other
+    (newest,) = [Version(next(iter(Requirement(line).specifier)).version)
+                 for line in (REPO / "requirements" / "newest.txt").read_text().splitlines()
+                 if line.split("#")[0].strip()]
+    assert newest > pinned
+    running = Version(torch.__version__.split("+")[0])
+    assert running in (pinned, newest), f"torch {running} is neither the pinned {pinned} nor the newest {newest}"
 
 
 def test_requires_python_is_what_the_pins_need() -> None:

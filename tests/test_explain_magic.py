@@ -301,3 +301,239 @@ def test_inplace_by_an_optimizer_step_between_two_backwards(ip: Any) -> None:
     assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "SGD.step", 5, "opt.step()")
     assert "before `step()`" in d.hint
     ip.user_ns.pop("opt", None)
+
+
+@pytest.mark.parametrize("cell", ["net = Gate(inplace_act=True)\nnet(torch.randn(3, 4)).sum().backward()",
+                                  "loss = torch.zeros(3).sum()\nloss.backward()"])
+def test_auto_paragraph_suggests_explain_once(ip: Any, cell: str) -> None:
+    with capture_output() as cap:
+        ip.run_cell(cell)
+    [paragraph] = [o.data for o in cap.outputs]
+    assert paragraph["text/plain"].count("%%explain") == 1, paragraph["text/plain"]
+
+
+def test_a_recorded_card_never_asks_to_run_the_cell_with_explain(ip: Any) -> None:
+    d, _ = explain_cell(ip, "loss = torch.zeros(3).sum()\nloss.backward()\n")
+    assert d.kind == "no_grad" and d.recorded and not d.suggest_record
+    assert "%%explain" not in d.text() and "%%explain" not in d.html(), d.text()
+
+
+# -- issue 28: loss sizes, index dtypes ------------------------------------------------------------
+@pytest.mark.parametrize("loss_line,loss,fix", [
+    ("loss = nn.BCEWithLogitsLoss()(logits, y)", "binary_cross_entropy_with_logits", "`y.unsqueeze(1)`"),
+    ("loss = F.binary_cross_entropy(torch.sigmoid(logits), y)", "binary_cross_entropy", "`y.unsqueeze(1)`"),
+    ("loss = F.binary_cross_entropy_with_logits(logits, y.view(4, 1, 1))", "binary_cross_entropy_with_logits",
+     "`logits.unsqueeze(1)`"),
+    ("loss = F.mse_loss(logits.expand(4, 3), y)", "mse_loss", "out_features"),
+])
+def test_a_loss_size_error_is_a_shape_error_at_the_loss_line(ip: Any, loss_line: str, loss: str, fix: str) -> None:
+    body = f"logits = torch.randn(4, 1, requires_grad=True)\ny = torch.ones(4)\n{loss_line}\n"
+    d, exc = explain_cell(ip, body)
+    assert isinstance(exc, (ValueError, RuntimeError))
+    assert (d.kind, d.op, d.lineno, d.line) == ("shape", f"aten::{loss}", 3, loss_line)
+    assert "must have the same shape" in d.summary and fix in d.hint, d.hint
+    if loss != "mse_loss":
+        assert "4×1" in d.summary and "and target 4" in d.summary
+
+
+@pytest.mark.parametrize("line,op", [("out = torch.gather(data, 1, idx)", "gather"),
+                                     ("out = data.index_select(0, idx[0])", "index_select"),
+                                     ("out = data.scatter(1, idx, 1.0)", "scatter"),
+                                     ("out = data[idx]", "index")])
+def test_a_float_index_is_a_dtype_error_naming_the_index(ip: Any, line: str, op: str) -> None:
+    body = f"data = torch.randn(3, 4)\nidx = torch.zeros(3, 2)\n{line}\n"
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.op, d.lineno) == ("dtype", f"aten::{op}", 3)
+    name = "idx[0]" if op == "index_select" else "idx"
+    assert f"`{name}`" in d.summary and f"`{name}.long()`" in d.hint, d.hint
+
+
+MADE_IN_FORWARD = """
+class Made(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        proj = nn.Linear(4, 4)
+        mask = torch.ones(2, 4)
+        return proj(self.fc(x)) if self.use_proj else self.fc(x) * mask
+
+class Lazy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(4, 2)
+        return self.head(self.fc(x))
+"""
+
+
+@pytest.mark.parametrize("use_proj", [True, False])
+def test_what_a_forward_made_for_itself_is_named_as_the_models(ip: Any, use_proj: bool) -> None:
+    """``model.to(device)`` never moves a module or tensor made inside ``forward`` (the meta device stands
+    in for a GPU): it is named as the model's (``model.proj``, not ``linear``), its line is the culprit."""
+    ip.run_cell(MADE_IN_FORWARD + f"model = Made().to('meta')\nmodel.use_proj = {use_proj}\n")
+    d, exc = explain_cell(ip, "out = model(torch.randn(2, 4, device='meta'))\n")
+    assert d.kind == "device"
+    if use_proj:
+        assert d.module == "model.proj" and (d.culprit_module, d.culprit_line) == ("model", "proj = nn.Linear(4, 4)")
+        assert "create it once in `__init__` (`self.proj = ...`)" in d.hint, d.hint
+    else:
+        assert d.module == "model" and (d.culprit_module, d.culprit_line) == ("model", "mask = torch.ones(2, 4)")
+        assert "`mask` is made inside `model`'s forward" in d.hint and "device=x.device" in d.hint, d.hint
+    assert d.culprit_lineno == 6 + (not use_proj) and d.culprit_filename == d.filename
+    ip.user_ns.pop("Made", None)
+
+
+def test_a_submodule_a_forward_registers_after_to_is_named_with_its_line(ip: Any) -> None:
+    ip.run_cell(MADE_IN_FORWARD + "model = Lazy().to('meta')\n")
+    d, _ = explain_cell(ip, "out = model(torch.randn(2, 4, device='meta'))\n")
+    assert (d.kind, d.module, d.culprit_module) == ("device", "model.head", "model"), d.text()
+    assert (d.culprit_lineno, d.culprit_line) == (16, "self.head = nn.Linear(4, 2)")
+    assert "create it once in `__init__` (`self.head = ...`)" in d.hint and "anew" not in d.hint
+    ip.user_ns.pop("Lazy", None)
+    ip.user_ns.pop("Made", None)
+
+
+# -- issue 28: graph reuse -------------------------------------------------------------------------
+RNN = """
+class Rnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.RNNCell(4, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x, h):
+        h = self.cell(x, h)
+        return self.out(h), h
+rnn = Rnn()
+x = torch.randn(2, 4)
+h = torch.zeros(2, 8)
+"""
+LOOP_STEP = "    prediction, h = rnn(x, h)\n    loss = prediction.sum()\n    loss.backward()\n"
+
+
+def _clean_rnn(ip: Any) -> None:
+    for name in ("Rnn", "rnn", "prediction", "ex", "loss1", "loss2", "caught", "opt"):
+        ip.user_ns.pop(name, None)
+
+
+def test_graph_reuse_names_the_loop_line_that_carries_the_hidden_state(ip: Any) -> None:
+    ip.run_cell(RNN)
+    d, _ = explain_cell(ip, "for step in range(3):\n" + LOOP_STEP)
+    assert (d.kind, d.lineno, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, 2, "prediction, h = rnn(x, h)")
+    assert d.culprit_module == "" and "`h = h.detach()`" in d.hint and "`rnn.cell`" in d.hint, d.hint
+    _clean_rnn(ip)
+
+
+def test_graph_reuse_under_the_twin_names_the_culprit_though_the_old_graph_came_before_it(ip: Any) -> None:
+    """The first backward ran before the recording began (a step outside it): the line of this step that
+    used the old tensor is still named, and no card asks to run the cell again with %%explain."""
+    ip.run_cell(RNN + "prediction, h = rnn(x, h)\nprediction.sum().backward()\n")
+    cell = ("import torch_nbdebug\ntry:\n    with torch_nbdebug.explain() as ex:\n    " +
+            LOOP_STEP.replace("\n    ", "\n        ") + "except RuntimeError as e:\n    caught = e\n")
+    assert ip.run_cell(cell).success
+    d = ip.user_ns["ex"].diagnosis
+    assert "second time" in str(ip.user_ns["caught"])
+    assert (d.kind, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, "prediction, h = rnn(x, h)"), d.text()
+    assert d.recorded and not d.suggest_record and "%%explain" not in d.text()
+    _clean_rnn(ip)
+
+
+def test_two_losses_of_one_forward_name_the_first_backward(ip: Any) -> None:
+    ip.run_cell(RNN)
+    body = ("out = rnn.out(torch.randn(3, 8))\nloss1, loss2 = out.sum(), (out ** 2).sum()\n"
+            "loss1.backward()\nloss2.backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.lineno, d.culprit_lineno, d.culprit_line) == ("graph_reuse", 4, 3, "loss1.backward()")
+    assert "`(loss1 + loss2).backward()`" in d.hint and "retain_graph=True" in d.hint
+    _clean_rnn(ip)
+
+
+# -- issue 28: where the gradient chain was cut -------------------------------------------------------
+@pytest.mark.parametrize("body,culprit_op,line", [
+    ("out = net(x)\nprint(f'{out.sum().item():.3f}')\nloss = torch.tensor(out.sum())\nloss.backward()\n", "tensor", 3),
+    ("out = net(x)\nvals = [o.sum() for o in out]\nloss = torch.tensor(vals).sum()\nloss.backward()\n", "tensor", 3),
+    ("import numpy as np\nout = net(x)\narr = np.tanh(out.detach().numpy())\nloss = torch.from_numpy(arr).sum()\n"
+     "loss.backward()\n", "detach", 3),
+    ("loss = torch.tensor(net(x).sum().item(), requires_grad=False)\nloss.backward()\n", "item", 1),
+])
+def test_no_grad_names_the_cut_of_a_rewrap_or_a_numpy_round_trip(ip: Any, body: str, culprit_op: str,
+                                                                   line: int) -> None:
+    ip.run_cell("net = Gate()\nx = torch.randn(2, 4)")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_op, d.culprit_lineno) == ("no_grad", culprit_op, line), d.text()
+    assert d.culprit_line == body.splitlines()[line - 1]
+    ip.user_ns.pop("vals", None)
+    ip.user_ns.pop("arr", None)
+
+
+@pytest.mark.parametrize("call,x", [("net", "torch.randn(2, 4)"), ("model.features", "torch.randn(2, 3, 8, 8)")])
+def test_no_grad_names_the_line_that_called_a_frozen_module(ip: Any, call: str, x: str) -> None:
+    """A frozen model, or the frozen backbone of a model whose head trains."""
+    ip.run_cell(f"net = Gate()\nfor p in {call}.parameters():\n    p.requires_grad_(False)\nx = {x}")
+    body = f"print({call}(x).sum().item())\nfeats = {call}(x)\nloss = feats.sum()\nloss.backward()\n"
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_module, d.culprit_lineno) == ("no_grad", call, 2), d.text()
+    assert f"every parameter of `{call}` has `requires_grad=False`" in d.hint and "nothing trains" in d.warning
+    ip.user_ns.pop("feats", None)
+    ip.run_cell("for p in model.parameters():\n    p.requires_grad_(True)")
+
+
+# -- issue 28: in-place culprits that are not the user's `x += ...` ----------------------------------
+def test_an_optimizer_step_before_backward_names_the_step_line_and_the_weight(ip: Any) -> None:
+    body = ("net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))\n"
+            "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+            "out = net(torch.randn(8, 4))\n"
+            "out.mean().backward(retain_graph=True)\n"
+            "opt.step()\n"
+            "(out ** 2).mean().backward()\n")
+    d, _ = explain_cell(ip, body)
+    assert (d.kind, d.culprit_op, d.culprit_lineno, d.culprit_line) == ("inplace", "SGD.step", 5, "opt.step()")
+    assert "`net.1.weight`" in d.summary and "`net.1.weight`" in d.hint, d.text()
+    ip.user_ns.pop("opt", None)
+
+
+def test_a_slice_assignment_into_a_tensor_a_later_op_saved_is_named(ip: Any) -> None:
+    ip.run_cell("class Unroll(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.cell = nn.Linear(4, 4)\n"
+                "    def forward(self, x):\n"
+                "        h = torch.zeros(2, 3, 4)\n"
+                "        for t in range(1, 3):\n"
+                "            h[:, t] = torch.tanh(self.cell(h[:, t - 1] * x))\n"
+                "        return h\n"
+                "net = nn.Sequential(nn.Linear(4, 4), Unroll())\n")
+    d, _ = explain_cell(ip, "loss = net(torch.randn(2, 4)).sum()\nloss.backward()\n")
+    assert (d.kind, d.culprit_op, d.culprit_module) == ("inplace", "__setitem__", "net.1"), d.text()
+    assert (d.culprit_lineno, d.culprit_line) == (8, "h[:, t] = torch.tanh(self.cell(h[:, t - 1] * x))")
+    assert "torch.stack" in d.hint
+    ip.user_ns.pop("Unroll", None)
+
+
+def test_explain_never_switches_grad_mode_itself(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grad-mode switch of the tool's own is a place where a Stop can leave autograd off for the rest of
+    the kernel: %%explain (with --check-indices) and its post-mortem reading make none."""
+    import sys
+
+    import torch
+
+    switches: list[str] = []
+    real = torch._C._set_grad_enabled
+
+    def spy(mode: bool) -> None:
+        frame = sys._getframe(1)
+        for _ in range(4):  # set_grad_enabled, no_grad.__enter__/__exit__, then whoever switched
+            if frame is None:
+                break
+            if "/torch_nbdebug/" in frame.f_code.co_filename.replace("\\", "/"):
+                switches.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        real(mode)
+
+    monkeypatch.setattr(torch._C, "_set_grad_enabled", spy)
+    body = "emb = nn.Embedding(5, 3)\ntokens = torch.tensor([[1, 7]])\nout = emb(tokens)\n"
+    explain_cell(ip, body, "--check-indices")
+    explain_cell(ip, body)
+    assert switches == []

@@ -96,3 +96,40 @@ def test_html_escapes_user_strings_and_survives_sanitizers() -> None:
     assert "<style" not in html and "<svg" not in html and 'style="' in html
     assert "<code" in html and "x&lt;y" in html
     assert diagnosis_text(d).startswith("explain [shape]") and "m<script>" in paragraph_text(d)
+
+
+@pytest.mark.parametrize("message,kind", [
+    ("Target size (torch.Size([4])) must be the same as input size (torch.Size([4, 1]))", "shape"),
+    ("Using a target size (torch.Size([4])) that is different to the input size (torch.Size([4, 1])) is "
+     "deprecated. Please ensure they have the same size.", "shape"),
+    ("gather(): Expected dtype int32/int64 for index", "dtype"),
+    ("index_select(): Expected dtype int32 or int64 for index", "dtype"),
+    ("scatter(): Expected dtype int64 for index", "dtype"),
+    ("tensors used as indices must be long, int, byte or bool tensors", "dtype"),
+])
+def test_loss_sizes_and_index_dtypes_are_classified(message: str, kind: str) -> None:
+    assert classify(message)[0] == kind
+
+
+def test_carried_name_is_the_one_a_line_assigns_and_reads() -> None:
+    from torch_nbdebug.process.explain_graph_reuse import carried_name
+
+    assert carried_name("prediction, h = rnn(x, h)") == "h" and carried_name("h = torch.tanh(x)") == "h"
+    assert carried_name("a, b = f(x)") == "" and carried_name("loss.backward()") == ""
+
+
+def test_graph_reuse_names_the_line_outside_forward_and_the_first_of_two_backwards() -> None:
+    message = "Trying to backward through the graph a second time"
+    inner = OpSite(op="tanh", module="rnn.cell", lineno=8, line="h = self.cell(x, h)")
+    loop = OpSite(op="", lineno=16, line="prediction, h = rnn(x, h)")
+    rec = Recording(sites=((5, inner),), outer=((5, loop),))
+    d = diagnose(_facts(message, backward_of="loss", freed_nodes=(("TanhBackward0", 5),), freed_users=(9,)), rec)
+    assert d is not None and (d.culprit_lineno, d.culprit_line) == (16, "prediction, h = rnn(x, h)")
+    assert "`h = h.detach()`" in d.hint and "`rnn.cell`" in d.hint
+    first = OpSite(op="backward", lineno=3, line="loss1.backward()")
+    two = Recording(backwards=(first, OpSite(op="backward", lineno=4, line="loss2.backward()")))
+    d = diagnose(_facts(message, backward_of="loss2", freed_nodes=(("SumBackward0", 2),), freed_root=True), two)
+    assert d is not None and d.culprit_lineno == 3 and "`(loss1 + loss2).backward()`" in d.hint
+    same = Recording(backwards=two.backwards, repeated_root=True)
+    d = diagnose(_facts(message, backward_of="loss", freed_nodes=(("SumBackward0", 2),), freed_root=True), same)
+    assert d is not None and "a second time through the same graph" in d.summary

@@ -550,3 +550,79 @@ def test_an_interrupt_during_the_first_lazy_import_breaks_nothing() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     interrupted = int(proc.stdout.split("interrupted")[-1])
     assert interrupted >= 4 * 4, proc.stdout  # at least 4 distinct points in each of the 4 tools
+
+
+# -- a Stop at a tool's own grad-mode switch ------------------------------------------------------
+SHORT_LOOP = """
+for _i in range(2):
+    out = model(x)
+    loss = out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+class _StopAtGradSwitch:
+    """A profile function that presses Stop right before, or right after, the ``n``-th switch of
+    grad mode made by torch_nbdebug's own code (a call of ``torch._C._set_grad_enabled`` from
+    ``torch.no_grad``/``set_grad_enabled`` entered by a frame of the package: the optimizer's own
+    switches are not counted). The interrupt is raised where CPython checks for it after a call: as
+    if Stop had landed on the instruction before (``c_call``) or after (``c_return``) the switch.
+    ``n=0`` only counts."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen, self.pressed = n, 0, False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event not in ("c_call", "c_return") or arg is not torch._C._set_grad_enabled or not _ours(frame):
+            return
+        self.seen += 1
+        if self.seen == self.n:
+            sys.setprofile(None)
+            self.pressed = True
+            _thread.interrupt_main()
+
+
+def _ours(frame: Any) -> bool:
+    while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith("torch/autograd/grad_mode.py"):
+        frame = frame.f_back
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith("torch_nbdebug")
+
+
+def _run_profiled(shell: Any, cell: str, profile: _StopAtGradSwitch) -> Any:
+    sys.setprofile(profile)
+    try:
+        return shell.run_cell(cell)
+    finally:
+        sys.setprofile(None)
+
+
+@pytest.mark.parametrize("cell", ["%%monitor loss\n" + SHORT_LOOP, "%%grads model\n" + SHORT_LOOP,
+                                  "%%repro\n" + SHORT_LOOP])
+def test_a_stop_at_a_tools_own_grad_mode_switch_leaves_autograd_on(shell: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                   cell: str) -> None:
+    """Issue 29: a Stop that lands while a tool's own per-step code switches grad mode off or back
+    on (``torch.no_grad()`` in %%monitor's hooks, %%grads' hooks, %%repro's snapshot and restore)
+    stops the cell and leaves autograd on: before, a Stop right after ``no_grad``'s switch raised
+    from its ``__enter__`` (so its ``__exit__`` never ran) and gradients stayed off for the rest of
+    the kernel."""
+    from torch_nbdebug.magics import monitor
+
+    monkeypatch.setattr(monitor, "display", lambda obj, *a, **k: shell.shown.append(obj))
+    ns = shell.user_ns
+    before = _state(ns)
+    counter = _StopAtGradSwitch(0)
+    assert _run_profiled(shell, cell, counter).success
+    assert counter.seen >= 4, f"{cell.splitlines()[0]} switched grad mode {counter.seen} times"
+    for n in range(1, counter.seen + 1):
+        stop = _StopAtGradSwitch(n)
+        result = _run_profiled(shell, cell, stop)
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)  # the next try (and test) starts with autograd on either way
+        assert stop.pressed, f"Stop at switch {n}: fewer switches this time ({stop.seen})"
+        assert grad, f"Stop at switch {n} of {counter.seen} left autograd off"
+        assert isinstance(result.error_in_exec, KeyboardInterrupt), f"Stop at switch {n}: {result.error_in_exec!r}"
+        assert _state(ns) == before, f"Stop at switch {n}: something stayed installed"
+    ns.pop("_monitor", None)
+    ns.pop("_grads", None)

@@ -143,7 +143,7 @@ def test_twin_records_the_expressions_at_every_optimizer_step() -> None:
             opt.step()
             seen.append(loss.item())
     h = mon.history
-    assert list(h.steps) == list(range(1, 13)) and h.status == "finished"
+    assert list(h.steps) == list(range(0, 12)) and h.status == "finished"
     assert np.allclose(h["loss"], seen)
     assert np.allclose(h["opt.param_groups[0]['lr']"], [0.05 * 0.9 ** s for s in range(12)])
     assert h.layers == ("net.0", "net.2")
@@ -157,7 +157,7 @@ def test_every_n_steps() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert list(mon.history.steps) == [1, 5, 9] and mon.history.every == 4
+    assert list(mon.history.steps) == [0, 4, 8] and mon.history.every == 4
 
 
 def test_layer_norms_and_update_ratios_are_exact() -> None:
@@ -247,7 +247,7 @@ def test_an_expression_that_fails_is_noted_and_training_goes_on() -> None:
             opt.step()
     h = mon.history
     assert np.isnan(h["no_such_name"]).all() and np.isfinite(h["loss"]).all()
-    assert "NameError" in h.errors["no_such_name"] and "step 1" in h.errors["no_such_name"]
+    assert "NameError" in h.errors["no_such_name"] and "step 0" in h.errors["no_such_name"]
     assert "shape (16, 4)" in h.errors["x"] and "not one number" in h.errors["x"]
     assert "could not evaluate 'no_such_name'" in mon.text()
 
@@ -266,7 +266,7 @@ def test_user_exception_propagates_unchanged_and_the_history_is_kept() -> None:
                     raise boom
     assert info.value is boom
     assert mon.history.status == "failed" and len(mon.history) == 3
-    assert "raised at step 3" in mon.text()
+    assert "raised at step 2" in mon.text()
 
 
 def test_stop_propagates_and_keeps_what_was_recorded() -> None:
@@ -281,7 +281,7 @@ def test_stop_propagates_and_keeps_what_was_recorded() -> None:
                 if step == 1:
                     raise KeyboardInterrupt
     assert mon.history.status == "stopped" and len(mon.history) == 2
-    assert "stopped at step 2" in mon.text()
+    assert "stopped at step 1" in mon.text()
     assert global_hook_counts()["_global_optimizer_pre_hooks"] == 0
 
 
@@ -374,9 +374,9 @@ def test_the_live_view_is_ticked_at_each_recorded_step_with_the_steps_so_far() -
             opt.step()
     assert live.events == ["start", "tick", "tick", "tick"]
     last = live.progress[-1]
-    assert last["status"].startswith("step 5: loss ")
+    assert last["status"].startswith("step 4: loss ")
     lines = last["panels"][0]
-    assert lines["kind"] == "lines" and lines["x"] == [1.0, 3.0, 5.0] and len(lines["series"][0]["y"]) == 3
+    assert lines["kind"] == "lines" and lines["x"] == [0.0, 2.0, 4.0] and len(lines["series"][0]["y"]) == 3
     assert last["panels"][1]["title"] == "gradient norm per layer" and last["panels"][1]["log"] is True
 
 

@@ -60,12 +60,12 @@ def test_cell_magic_shows_one_bundle_with_a_sanitizer_proof_figure(ip: Any) -> N
     data = cap.outputs[0].data
     assert {"text/plain", "text/html", WIDGET} <= set(data)
     assert "30 steps recorded" in data["text/plain"]
-    assert "non-finite: step 26: loss is nan" in data["text/plain"] and "%%nanwatch" in data["text/plain"]
+    assert "non-finite: step 25: loss is nan" in data["text/plain"] and "%%nanwatch" in data["text/plain"]
     html = data["text/html"]
     assert "<svg" not in html and "<style" not in html and "style=" not in html
     png = html.split('src="data:image/png;base64,')[1].split('"')[0]
     assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "non-finite" in html and "step 26" in html  # the alert in words, not only on the figure
+    assert "non-finite" in html and "step 25" in html  # the alert in words, not only on the figure
     mon = ip.user_ns["_monitor"]
     assert np.allclose(mon.history["loss"][:25], ip.user_ns["losses"][:25])
     assert mon.history['opt.param_groups[0]["lr"]'][0] == 0.05
@@ -74,7 +74,7 @@ def test_cell_magic_shows_one_bundle_with_a_sanitizer_proof_figure(ip: Any) -> N
 def test_options_output_and_quiet(ip: Any) -> None:
     with capture_output() as cap:
         r = ip.run_cell_magic("monitor", "--every 5 --no-ratio -o loss", LOOP)
-    assert not cap.outputs and list(r.history.steps) == [1, 6, 11, 16, 21, 26]
+    assert not cap.outputs and list(r.history.steps) == [0, 5, 10, 15, 20, 25]
     assert np.isnan(r.history.update_ratio).all() and (r.history.grad_norm > 0).any()
     with capture_output() as cap:
         ip.run_cell_magic("monitor", "-q --no-layers loss", LOOP)
@@ -95,7 +95,7 @@ def test_failing_cell_reraises_unchanged_and_shows_what_was_recorded(ip: Any) ->
     with capture_output() as cap, pytest.raises(ip.user_ns["Boom"]):
         ip.run_cell_magic("monitor", "-o loss", body)
     text = cap.outputs[0].data["text/plain"]  # shown even with -o: the failure is why one looks
-    assert "5 steps recorded" in text and "the cell raised at step 5" in text
+    assert "5 steps recorded" in text and "the cell raised at step 4" in text
 
 
 def test_last_value_of_the_cell_is_displayed(ip: Any) -> None:
@@ -144,7 +144,7 @@ def test_widget_state(ip: Any) -> None:
     view = r.widget()
     meta = view.meta
     assert meta["expressions"] == ["loss", "opt.param_groups[0]['lr']"]
-    assert meta["steps"] == list(range(1, 31)) and meta["layers"] == ["net.0", "net.2"]
+    assert meta["steps"] == list(range(0, 30)) and meta["layers"] == ["net.0", "net.2"]
     values = np.frombuffer(view.values, np.float32).reshape(30, 2)
     assert np.allclose(values[:25, 0], ip.user_ns["losses"][:25]) and np.isnan(values[25, 0])
     norms = np.frombuffer(view.norms, np.float32).reshape(30, 2)
@@ -168,3 +168,38 @@ def test_hostile_namespace_does_not_trip_the_monitor(ip: Any) -> None:
         objects.clear()
     assert r.history.layers == ("net.0", "net.2") and np.isfinite(r.history["loss"][:25]).all()
     assert "could not be inspected" in r.text() and "unbound_proxy" in r.text()  # said once, in a note
+
+
+# -- issue 29: bad input is a UsageError before the cell runs, or an InputError in the twin -------
+def test_a_tensorboard_directory_that_cannot_be_made_is_a_usage_error_before_the_cell_runs(ip: Any,
+                                                                                        tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    ip.user_ns["ran"] = 0
+    try:
+        with pytest.raises(UsageError, match="cannot make the TensorBoard directory"):
+            ip.run_cell_magic("monitor", f"--tensorboard {blocker / 'runs'} loss", "ran += 1\n" + LOOP)
+        assert ip.user_ns["ran"] == 0 and "_monitor" not in ip.user_ns  # the training cell never ran
+    finally:
+        ip.user_ns.pop("ran", None)
+
+
+@pytest.mark.parametrize("line, match", [("--bogus", "unrecognized arguments: --bogus"),
+                                         ("stray args", "takes no expressions"),
+                                         ("-o loss", "takes no expressions")])
+def test_line_magic_refuses_what_it_would_ignore(ip: Any, line: str, match: str) -> None:
+    with capture_output():
+        ip.run_cell_magic("monitor", "loss", LOOP)
+    with pytest.raises(UsageError, match=match):
+        ip.run_line_magic("monitor", line)
+
+
+def test_twins_refuse_a_namespace_that_is_not_a_mapping() -> None:
+    from torch_nbdebug import monitor, repro
+    from torch_nbdebug.errors import InputError
+
+    with pytest.raises(InputError, match="namespace must be a mapping"):
+        monitor("loss", namespace=5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="namespace must be a dict"):
+        repro(lambda: None, namespace=5)  # type: ignore[arg-type]

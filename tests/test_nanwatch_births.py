@@ -127,3 +127,37 @@ def test_hints_use_the_structured_fields() -> None:
     buffer = _event("input", param="net.2.running_var", param_kind="buffer", cause="nonfinite_buffer")
     assert "net.2.running_var" in hint(buffer) and "reset_running_stats" in hint(buffer)
     assert "data" in hint(_event("input", detail="non-finite parameter model.0.weight"))
+
+
+@pytest.mark.parametrize("out_pos_inf,inputs,had,phase,verdict", [
+    (True, (MASK,), False, "forward", "birth"),  # -(-inf): the mask's sign changed
+    (True, (InputFact(True, False, True, False, False), FINE), False, "forward", "birth"),  # a -inf made inside
+    (False, (InputFact(True, False, True, False, False),), False, "forward", "propagation"),  # -inf carried on
+    (True, (INF_MADE,), False, "forward", "propagation"),  # +inf in already: no sign change
+    (True, (MASK,), True, "forward", "propagation"),  # after a birth: it came from there
+    (True, (MASK,), False, "backward", "propagation"),  # gradients: the rule is the forward's
+])
+def test_a_minus_inf_that_turns_into_plus_inf_is_a_birth(out_pos_inf: bool, inputs: tuple, had: bool, phase: str,
+                                                          verdict: str) -> None:
+    assert judge(OpFacts(phase, False, inputs, had, out_pos_inf)) == verdict  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("event,cause", [
+    (_event(op="aten.neg.default", kind="inf", inputs=(_stats(inf=2, neg_inf=2),), output=_stats(inf=2)),
+     "minus_inf_flipped"),
+    (_event(op="aten.neg.default", kind="inf", inputs=(_stats(inf=2, neg_inf=1),), output=_stats(inf=2)), None),
+    (_event(op="aten.native_layer_norm.default", inputs=(_stats(min=-5e21, max=4e21),)), "overflow"),
+    (_event(op="aten.native_layer_norm.default", inputs=(_stats(min=-5e18, max=4e18),)), None),  # squares fit
+    (_event(op="aten.native_layer_norm.default", inputs=(_stats(min=-6e4, max=6e4, dtype="float16"),)), None),
+    (_event(op="aten.mean.dim", inputs=(_stats(min=-3e38, max=3e38),), output=_stats()), "overflow"),
+    (_event(op="aten.div.Tensor", eps=1e-12, output=_stats(dtype="float16")), "eps_rounds_to_zero"),
+    (_event(op="aten.div.Tensor", eps=1e-6, output=_stats(dtype="float16")), None),
+    (_event(op="aten.exp.default", kind="inf", line="std = torch.exp(0.5 * logvar)"), "logvar_exp"),
+    (_event(op="aten.exp.default", kind="inf", line="y = torch.log(1 + torch.exp(x))"), "handwritten_softplus"),
+    (_event(op="aten.exp.default", kind="inf", line="p = torch.exp(scores)"), None),
+    (_event("optimizer", op="Adam.step", eps=0.0, grad_finite=True), "zero_gradient_update"),
+    (_event("optimizer", op="Adam.step", eps=1e-8, grad_finite=True), None),
+])
+def test_the_new_causes_read_fields_only(event: NanEvent, cause: str) -> None:
+    assert cause_of(event) == cause
+    assert hint(event)

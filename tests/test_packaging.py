@@ -240,6 +240,22 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "wants_browser" in cmd_test and "setup_browser" in cmd_test
 
 
+def test_ci_also_runs_the_suite_against_the_newest_torch() -> None:
+    """Issue 29: CI runs ``./dev test`` and then ``./dev test-newest`` (each stops CI when it fails), and
+    ``test-newest`` installs requirements/newest.txt's torch into a venv of its own (never ``.venv``)."""
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    runs = [line for line in ci if re.match(r"(exec )?\./dev ", line)]
+    assert [re.sub(r"^exec ", "", r).split(" <")[0] for r in runs] == ["./dev test", "./dev test-newest"], runs
+    assert "set -euo pipefail" in ci
+    dev = (REPO / "dev").read_text()
+    assert re.search(r"^    test-newest\) shift; cmd_test_newest", dev, re.M)
+    use = dev[dev.index("use_newest_torch() {"):]
+    use = use[:use.index("\n}\n")]
+    assert 'VENV="$ROOT/.venv-newest"' in use and "TORCH_PIN=requirements/newest.txt" in use
+    proc = subprocess.run(["./dev", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert "./dev test-newest" in proc.stdout, proc.stdout
+
+
 def _canon(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 

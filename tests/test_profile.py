@@ -64,7 +64,7 @@ def test_a_slow_dataset_is_data_bound_and_the_verdict_names_the_decoding_line() 
     assert v.line is not None and v.line.function == "__getitem__"
     assert "math.sin(i * k)" in v.line.text
     assert "num_workers" in v.fix
-    assert len(prof.breakdown) == 5 and prof.breakdown[0].number == 2  # step 1 is warm-up
+    assert len(prof.breakdown) == 5 and prof.breakdown[0].number == 1  # step 0 is warm-up
     assert prof.data.step_source == "optimizer"
 
 
@@ -229,7 +229,7 @@ def test_profiling_stops_after_warmup_plus_steps_and_the_cell_runs_on() -> None:
     x, y = torch.randn(8, 16), torch.randn(8, 2)
     with nb.profile(steps=3, warmup=2) as prof:
         train(model, opt, [(x, y)] * 30)
-    assert [s.number for s in prof.breakdown] == [3, 4, 5]
+    assert [s.number for s in prof.breakdown] == [2, 3, 4]  # 0 and 1: warm-up
     assert prof.data.steps_seen == 30
     assert opt.state_dict()["state"] == {} and model[0].weight.grad is not None  # the loop ran to the end
 

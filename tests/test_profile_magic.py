@@ -81,7 +81,7 @@ def test_o_returns_the_profile_and_the_line_magic_shows_the_last_one(ip: Any) ->
     with capture_output() as cap:
         prof = ip.run_cell_magic("profile", "-o --warmup 2 --steps 0", LOOP)
     assert not cap.outputs and prof is ip.user_ns["_profile"]
-    assert [s.number for s in prof.breakdown] == [3, 4, 5, 6, 7, 8]
+    assert [s.number for s in prof.breakdown] == [2, 3, 4, 5, 6, 7]
     with capture_output() as cap:
         ip.run_line_magic("profile", "")
     assert "%%profile" in cap.outputs[0].data["text/plain"]

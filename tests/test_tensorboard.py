@@ -66,7 +66,7 @@ def test_monitor_scalars_layers_and_alerts(tmp_path: Path) -> None:
     assert mon.to_tensorboard(tmp_path) == str(tmp_path)
     events = read(tmp_path)
     got = scalars(events, "monitor/loss")
-    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in got] == [0, 1, 2, 3, 4, 5]
     assert np.allclose([v for _, v in got], mon.history["loss"], equal_nan=True)
     lr_tag = "monitor/" + clean_tag("opt.param_groups[0]['lr']")
     assert lr_tag == "monitor/opt.param_groups_0___lr__"
@@ -231,6 +231,52 @@ def test_nanwatch_magic_writes_the_births_also_when_the_cell_raises(tmp_path: Pa
             ip.user_ns.pop("torch", None)
 
 
+def test_monitor_and_grads_number_the_same_loops_steps_alike(tmp_path: Path) -> None:
+    """Issue 28, one step axis: the same loop under %%monitor and %%grads is exported on the same steps,
+    numbered by the optimizer steps completed before each (0, 1, 2: the loop's own counter), and each
+    tool's JSON (to_dict, to_json) says the same. Before, %%monitor wrote 1, 2, 3 and %%grads 0, 1, 2."""
+    import json
+
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    from torch_nbdebug.magics.grads import MAGICS as GRADS
+    from torch_nbdebug.magics.monitor import MAGICS as MONITOR
+
+    ip = get_ipython()
+    ip.register_magics(GRADS)
+    ip.register_magics(MONITOR)
+    setup = ("torch.manual_seed(0)\nnet = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+             "opt = torch.optim.SGD(net.parameters(), lr=0.05)\nx = torch.randn(16, 4)\n")
+    loop = ("for step in range(3):\n    opt.zero_grad()\n    loss = net(x).pow(2).mean()\n    loss.backward()\n"
+            "    opt.step()\n    seen.append(step)\n")
+    ip.user_ns.update(torch=torch, nn=nn)
+    try:
+        with capture_output():
+            ip.run_cell(setup)
+            ip.user_ns["seen"] = []
+            monitored = ip.run_cell_magic("monitor", f'-o --tensorboard "{tmp_path / "monitor"}" loss', loop)
+            ip.run_cell(setup)
+            ip.user_ns["seen"] = []
+            traced = ip.run_cell_magic("grads", f'-o --tensorboard "{tmp_path / "grads"}" net', loop)
+        loop_steps = ip.user_ns["seen"]
+    finally:
+        for magics in (GRADS, MONITOR):
+            for kind, names in magics.magics.items():
+                for name in names:
+                    ip.magics_manager.magics[kind].pop(name, None)
+        for name in ("torch", "nn", "net", "opt", "x", "loss", "step", "seen", "_monitor"):
+            ip.user_ns.pop(name, None)
+    monitor_events, grads_events = read(tmp_path / "monitor"), read(tmp_path / "grads")
+    assert loop_steps == [0, 1, 2]
+    assert [s for s, _ in scalars(monitor_events, "monitor/loss")] == loop_steps
+    for layer in ("net.0", "net.2"):
+        assert [s for s, _ in scalars(monitor_events, f"grad_norm/{layer}")] == loop_steps
+        assert [s for s, _ in scalars(grads_events, f"grad_norm/{layer}")] == loop_steps
+    assert monitored.history.to_dict()["step"] == loop_steps
+    assert json.loads(traced.trace.to_json())["steps"] == loop_steps
+
+
 def test_profile_time_by_category_per_step_the_verdict_and_the_trace(tmp_path: Path) -> None:
     from torch_nbdebug.api.profile import profile
 
@@ -243,7 +289,7 @@ def test_profile_time_by_category_per_step_the_verdict_and_the_trace(tmp_path: P
             opt.step()
     events = read(tmp_path)
     steps = scalars(events, "profile/step_ms")
-    assert [s for s, _ in steps] == [2, 3, 4]
+    assert [s for s, _ in steps] == [1, 2, 3]  # the loop's own step numbers; 0 is warm-up
     assert [v for _, v in steps] == pytest.approx([s.ms for s in prof.breakdown])
     per_category = [scalars(events, f"profile/{c}_ms") for c in ("data", "forward", "backward", "optimizer", "sync",
                                                                   "python")]

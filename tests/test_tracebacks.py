@@ -77,3 +77,21 @@ def test_the_exceptions_own_traceback_is_left_as_it_is(shell: Any) -> None:
         tb = tb.tb_next
     assert files[-1].endswith("torch_nbdebug/record/explain.py")  # the mode called F.linear
     assert "torch_nbdebug/" not in text.replace("\\", "/")
+
+
+def _frames(text: str) -> list[str]:
+    """The functions of the frames a traceback shows, outermost first (no line numbers)."""
+    return re.findall(r"^File .*?:\d+, in (.+)$", text, re.M)
+
+
+@pytest.mark.parametrize("body", ["y = model(torch.ones(3, 5))\n", "loss = x.sum()\nloss.backward()\n",
+                                  "loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2]))\n"])
+def test_explain_shows_the_frames_the_plain_cell_shows(shell: Any, body: str) -> None:
+    """The card comes near the cell: no line calling the magic (``run_cell_magic``), no frames the
+    recorder's function mode adds (``handle_torch_function``, ``Tensor.backward`` entered twice) and
+    none its module hooks add (``_call_impl.<locals>.inner``)."""
+    _, plain = _traceback(shell, body)
+    _, text = _traceback(shell, "%%explain\n" + body)
+    assert "run_cell_magic" not in text and "handle_torch_function(public_api" not in text, text
+    assert _frames(text) == _frames(plain), text
+    assert text.count("\nCell In[") == plain.count("\nCell In[") == 1

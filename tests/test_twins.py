@@ -284,3 +284,73 @@ def test_compiled_model_nanwatch_module_paths() -> None:
     modules = {e.module for e in report.events if e.module} | {layer.module for layer in report.layers}
     assert modules and not any("_orig_mod" in name for name in modules), modules
     assert any(name.startswith("m.") or name == "m" for name in modules), modules
+
+
+# -- issue 28: every twin names a model by the caller's variable -----------------------------------
+def test_repro_state_in_a_function_is_named_by_the_local_variables() -> None:
+    """``repro(fn, state=(model, opt))`` inside a function: the module where the runs part is
+    ``model.1`` (the caller's name), not ``state[0].1``; the state is listed by the same names."""
+    from torch_nbdebug import repro
+
+    def check() -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(16, 4)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+        return repro(step, state=(model, opt), restore_rng=False)  # dropout draws anew: the runs differ
+
+    report = check()
+    assert not report.identical and report.cause == "rng"
+    assert report.first.module == "model.1", report.text()
+    assert set(report.summary.state) == {"model", "opt"}
+
+
+def test_repro_without_state_in_a_function_names_the_model_by_the_local_variable() -> None:
+    from torch_nbdebug import repro
+
+    def check() -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        x = torch.randn(16, 4)
+        return repro(lambda: model(x).sum(), restore_rng=False)
+
+    report = check()
+    assert report.first.module == "model.1", report.text()  # was sequential.1
+
+
+def test_monitor_in_a_function_names_layers_by_the_local_variable() -> None:
+    from torch_nbdebug import monitor
+
+    def fit() -> Any:
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with monitor("loss") as mon:
+            for _ in range(2):
+                opt.zero_grad()
+                loss = net(torch.randn(2, 4)).pow(2).mean()
+                loss.backward()
+                opt.step()
+        return mon
+
+    assert fit().history.layers == ("net.0", "net.2")
+
+
+def test_repro_reading_the_callers_locals_keeps_none_alive() -> None:
+    from torch_nbdebug import repro
+
+    def check() -> list[weakref.ref[torch.Tensor]]:
+        model = _net()
+        doomed = torch.ones(1000)
+        refs = [weakref.ref(doomed)]
+        repro(lambda: model(torch.ones(2, 4)), state=(model,))
+        del doomed
+        assert refs[0]() is None, "the f_locals snapshot repro read keeps the deleted local alive"
+        return refs
+
+    check()

@@ -15,6 +15,7 @@ from torch_nbdebug.data.explain import Diagnosis as DiagnosisData
 from torch_nbdebug.data.explain import FailureFacts, Operand, Recording
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.explain import diagnose
+from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.explain import ExplainRecorder
 from torch_nbdebug.record.explain_indices import IndexCheckError
 from torch_nbdebug.record.explain_trace import failure_facts
@@ -79,13 +80,16 @@ class Explanation(Displayable):
         self.diagnosis: Optional[Diagnosis] = None
         self.raised: Optional[str] = None  # the exception's type name, when the block raised
         self.finished = False
+        self.note = ""  # how the block ran differently (compiled code ran eagerly), "" when it did not
 
     def text(self) -> str:
         if self.diagnosis is not None:
             return self.diagnosis.text()
         if self.raised:
             return f"explain: {self.raised} is not a PyTorch error; nothing to add"
-        return "explain: the code ran without an error" if self.finished else "explain: still running"
+        if not self.finished:
+            return "explain: still running"
+        return "explain: the code ran without an error" + (f" ({self.note})" if self.note else "")
 
     def html(self) -> str:
         if self.diagnosis is not None:
@@ -98,8 +102,17 @@ class Explanation(Displayable):
         return self.diagnosis.widget() if self.diagnosis is not None else None
 
 
+_COMPILED_PURPOSE = ("explain recorded it (torch.compile would trace the recorder's function mode into the "
+                     "model, recompile it, and turn its errors into tracing errors)")
+
+
 class ExplainScope:
-    """The context manager returned by :func:`explain`."""
+    """The context manager returned by :func:`explain`.
+
+    Compiled code runs eagerly inside the block (:class:`CompiledCode`, as under the other op-level
+    watches): the recorder sees its calls, an error in it is the eager error at the model's own line,
+    and it runs compiled again afterwards, with nothing recompiled.
+    """
 
     def __init__(self, namespace: UserNamespace, check_indices: bool) -> None:
         # The caller's locals and globals (or the given namespace), read live when they are needed: a
@@ -107,17 +120,30 @@ class ExplainScope:
         self._namespace = namespace
         self.result = Explanation()
         self._recorder = ExplainRecorder(namespace, check_indices=check_indices)
+        self._compiled = CompiledCode(namespace, _COMPILED_PURPOSE)
 
     def __enter__(self) -> Explanation:
-        self._recorder.start()
+        self._compiled.__enter__()
+        try:
+            self._recorder.start()
+        except BaseException:
+            self._compiled.__exit__(None, None, None)
+            raise
         return self.result
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
         try:
-            self._recorder.stop()
+            try:
+                self._recorder.stop()
+            finally:
+                self._compiled.__exit__(None, None, None)
+            self.result.note = self._compiled.note
             if isinstance(exc, Exception):
                 self.result.raised = type(exc).__name__
-                self.result.diagnosis = _safe_diagnosis(exc, self._namespace, self._recorder)
+                diagnosis = _safe_diagnosis(exc, self._namespace, self._recorder)
+                if diagnosis is not None and self.result.note:
+                    diagnosis = dataclasses.replace(diagnosis, note=self.result.note)
+                self.result.diagnosis = diagnosis
         finally:
             self._recorder.clear()
             self.result.finished = True
@@ -136,7 +162,8 @@ def _safe_diagnosis(exc: BaseException, namespace: Optional[Mapping[str, Any]],
         del root, names
         recording: Optional[Recording] = None
         if recorder is not None:
-            wanted = tuple(seq for _, seq in facts.freed_nodes) + tuple(o.node_seq for o in facts.operands)
+            wanted = tuple(seq for _, seq in facts.freed_nodes) + facts.freed_users + \
+                tuple(o.node_seq for o in facts.operands)
             recording = recorder.recording(wanted)
             facts = dataclasses.replace(facts, operands=tuple(_producer(o, recording) for o in facts.operands))
         data = diagnose(facts, recording)

@@ -175,9 +175,13 @@ def monitor(*expressions: Watched, every: int = 1, namespace: Optional[Mapping[s
     if tensorboard is not None and (not isinstance(tensorboard, (str, os.PathLike)) or not str(tensorboard).strip()):
         raise InputError(f"tensorboard must be a directory path, got {tensorboard!r}")
     if tensorboard is not None:
-        from torch_nbdebug.api.tensorboard import require_tensorboard
+        from torch_nbdebug.api.tensorboard import check_logdir, require_tensorboard
 
-        require_tensorboard()  # missing TensorBoard is said now, not after a long run
+        require_tensorboard()  # missing TensorBoard, or a directory that cannot be made, is said now, not after a long run
+        check_logdir(tensorboard)
+    if namespace is not None and not isinstance(namespace, Mapping):
+        raise InputError(f"monitor: namespace must be a mapping of names to objects (like globals()), "
+                         f"not {type(namespace).__name__}")
     if namespace is not None:
         scope = Scope(namespace=namespace)
     else:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import Any, Callable, MutableMapping, Optional, Sequence
+from collections.abc import MutableMapping
+from typing import Any, Callable, Optional, Sequence
+
+from torch import nn
 
 from torch_nbdebug.data.repro import (Cause, Divergence, NondeterministicUse, OpTrace, PreflightItem, ReproOp,
                                       ReproSummary)
@@ -20,9 +23,9 @@ from torch_nbdebug.process.repro import (explain, find_divergence, first_op, mis
                                          preflight, summarize)
 from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.repro import ReproRecorder
-from torch_nbdebug.record.source import skipped_note
-from torch_nbdebug.record.repro_state import StateSnapshot, end_state, is_state, read_settings, state_in
-from torch_nbdebug.record.source import line_of
+from torch_nbdebug.record.repro_settings import end_state, read_settings
+from torch_nbdebug.record.repro_state import StateSnapshot, is_state, state_in
+from torch_nbdebug.record.source import UserNamespace, frame_locals, line_of, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["repro", "run_twice", "ReproReport", "ReproOp", "PreflightItem", "last_report"]
@@ -87,9 +90,9 @@ class _Comparator:
 def _caller_name(value: Any, caller: Optional[types.FrameType], fallback: str) -> str:
     """The caller's variable name for a state object (``model`` rather than ``state[0]``)."""
     if caller is not None:
-        # Before 3.13 reading f_locals stores a snapshot on the frame that would keep tensors alive.
-        scopes = (caller.f_locals, caller.f_globals) if sys.version_info >= (3, 13) else (caller.f_globals,)
-        for scope in scopes:
+        # frame_locals: a plain f_locals read before 3.13 leaves a snapshot on the frame keeping tensors alive
+        local = frame_locals(caller)
+        for scope in ((caller.f_globals,) if local is None else (local, caller.f_globals)):
             for name, candidate in list(scope.items()):
                 if candidate is value and not name.startswith("_"):
                     return name
@@ -112,24 +115,42 @@ def _named_state(state: Any, namespace: Optional[MutableMapping[str, Any]],
     return named
 
 
+def _module_names(named: list[tuple[str, Any]], caller: Optional[types.FrameType]) -> dict[str, Any]:
+    """Names for the modules the runs call: the state's, then the modules the caller holds in its
+    variables (a model ``fn`` uses without passing it as state is named ``model.1`` too, not by class).
+    Modules only, so no tensor the function frees is kept while it runs."""
+    found: dict[str, Any] = {}
+    if caller is not None:
+        view = UserNamespace(frame=caller)
+        found = {name: value for name, value in view.items() if issubclass(type(value), nn.Module)}
+        view.release()
+    found.update(named)
+    return found
+
+
 def run_twice(fn: Callable[[], Any], *, state: Any = None, restore_rng: bool = True,
               namespace: Optional[MutableMapping[str, Any]] = None) -> tuple["ReproReport", Any]:
     """Run ``fn`` twice from the same state; return the report and the second run's value.
     The user's exception (from either run) propagates unchanged; the report is then :func:`last_report`."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     return _run_twice(fn, state, restore_rng, namespace, sys._getframe(1))
 
 
 def _run_twice(fn: Callable[[], Any], state: Any, restore_rng: bool, namespace: Optional[MutableMapping[str, Any]],
                caller: Optional[types.FrameType]) -> tuple["ReproReport", Any]:
     global _last
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     if not callable(fn):
         raise InputError(f"repro: fn must be a function to run twice (e.g. a lambda), not {type(fn).__name__}")
     if not isinstance(restore_rng, bool):
         raise InputError(f"repro: restore_rng must be True or False, not {restore_rng!r}")
+    if namespace is not None and not isinstance(namespace, MutableMapping):
+        raise InputError(f"repro: namespace must be a dict of names whose values it restores (e.g. globals()), "
+                         f"not {type(namespace).__name__}")
     skipped: list[str] = []
     named = _named_state(state, namespace, caller, skipped)
+    names = namespace if namespace is not None else _module_names(named, caller)  # for the report
     del caller
-    names = dict(named) if namespace is None else namespace  # module names for the report
     report = _last = ReproReport()
     snapshot = StateSnapshot(named, namespace, restore_rng)
     context = dict(names=tuple(snapshot.names), restore_rng=restore_rng, named=named, skipped=tuple(skipped))
@@ -182,6 +203,7 @@ def repro(fn: Callable[[], Any], state: Any = None, *, restore_rng: bool = True,
     the random generators (torch CPU/CUDA, NumPy, Python ``random``). namespace: a dict of variables
     (e.g. ``globals()``) to take state from and whose names are rebound before the second run.
     """
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
     return _run_twice(fn, state, restore_rng, namespace, sys._getframe(1))[0]
 
 

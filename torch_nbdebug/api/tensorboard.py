@@ -56,6 +56,21 @@ def require_tensorboard() -> Any:
     return SummaryWriter
 
 
+def check_logdir(logdir: Union[str, "os.PathLike[str]"]) -> str:
+    """Make ``logdir`` now, as the writer would at the end of a run, or say why it cannot be made or
+    written (before the run, not after it)."""
+    path = str(logdir)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot make the TensorBoard directory {path!r}: {err.strerror or err}; pass a "
+                         f"directory you can write, e.g. runs/exp1") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write to the TensorBoard directory {path!r}: pass a directory you can write, "
+                         f"e.g. runs/exp1")
+    return path
+
+
 def summary_writer(logdir: Union[str, "os.PathLike[str]"]) -> Any:
     """A ``SummaryWriter`` for ``logdir``, or a clear error when TensorBoard is not installed."""
     if not isinstance(logdir, (str, os.PathLike)) or not str(logdir).strip():

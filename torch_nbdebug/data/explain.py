@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 
 Kind = Literal["shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other"]
 KINDS: tuple[str, ...] = ("shape", "device", "dtype", "inplace", "graph_reuse", "no_grad", "index", "other")
-CutHow = Literal["no_grad", "detach", "data", "item", "numpy", "tolist"]
+CutHow = Literal["no_grad", "detach", "data", "item", "numpy", "tolist", "tensor"]
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,18 @@ class Recording:
     cuts: tuple[CutEvent, ...] = ()
     steps: tuple[OptimizerStep, ...] = ()
     sites: tuple[tuple[int, OpSite], ...] = ()  # sequence number -> where that autograd node was made
+    # sequence number -> the user's line outside every forward that led to it (the line calling the model),
+    # where it differs from the site
+    outer: tuple[tuple[int, OpSite], ...] = ()
+    backwards: tuple[OpSite, ...] = ()  # the last two ``.backward()`` calls (the failing one last)
+    repeated_root: bool = False  # those two were called on the same tensor (not two losses of one graph)
 
     def site_of(self, seq: int) -> Optional[OpSite]:
         return next((site for s, site in self.sites if s == seq), None)
+
+    def outer_of(self, seq: int) -> Optional[OpSite]:
+        """The line outside every ``forward`` that led to node ``seq`` (None: the site is that line)."""
+        return next((site for s, site in self.outer if s == seq), None)
 
 
 @dataclass(frozen=True)
@@ -100,9 +109,18 @@ class FailureFacts:
     index_size: Optional[int] = None
     backward_of: str = ""  # the expression ``.backward()`` was called on
     freed_nodes: tuple[tuple[str, int], ...] = ()  # old-graph nodes (name, sequence number) reached
+    freed_users: tuple[int, ...] = ()  # the newer node that reached each of them (sequence number; -1: the root)
     freed_root: bool = False  # the tensor backward() was called on is itself in the freed graph (twice)
     frozen_models: tuple[str, ...] = ()  # models in the namespace with no parameter requiring grad
+    frozen_call: Optional[OpSite] = None  # the nearest line above the failing one calling a frozen module
     inplace_modules: tuple[str, ...] = ()  # modules of the running model that work in place
+    # parameters of the namespace's models that were modified in place (name, shape, version counter)
+    param_versions: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    module_made_in_forward: bool = False  # ``module`` was made inside its owner's forward (never moved by .to())
+    made_in_forward: tuple[str, ...] = ()  # operands the running forward made from nothing (``torch.ones(...)``)
+    made_site: Optional[OpSite] = None  # the line of that forward that made it (``proj = nn.Linear(4, 4)``)
+    loss: str = ""  # the torch.nn.functional loss the error came through (``mse_loss``), when it wants same shapes
+    loss_shapes: tuple[tuple[int, ...], ...] = ()  # that loss's (input, target) shapes
 
 
 @dataclass(frozen=True)
@@ -129,6 +147,7 @@ class Diagnosis:
     recorded: bool = False  # built with a %%explain recording (culprits known), not post mortem only
     suggest_record: bool = False  # a %%explain run would tell more (the culprit of an in-place error)
     restart_needed: bool = False  # a CUDA device-side assert broke the context
+    note: str = ""  # how the run differed from a plain one (compiled code ran eagerly under the recorder)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

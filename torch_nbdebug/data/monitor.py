@@ -66,7 +66,7 @@ class Alert:
     """One rule that fired, at the first recorded step where it did (for its series)."""
 
     kind: AlertKind
-    step: int            # optimizer step (1-based) where it fired
+    step: int            # optimizer step where it fired (steps completed before it, from 0)
     series: str          # the watched expression, or the layer for vanishing/exploding
     value: float         # the value that fired it
     reference: float     # what it was compared with: running median, best so far, threshold
@@ -98,6 +98,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 class MonitorHistory:
     """What ``%%monitor`` recorded, one row per recorded optimizer step.
 
+    ``steps`` numbers each step by the optimizer steps completed before it, from 0 (as ``GradTrace``).
     ``values[:, i]`` is ``expressions[i]`` (NaN where it could not be evaluated or read as a
     number); ``grad_norm`` and ``update_ratio`` are [steps, layers] (NaN where a layer had no
     gradient); ``times`` are seconds since the block started. ``history["loss"]`` is one series.

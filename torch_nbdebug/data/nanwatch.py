@@ -27,7 +27,16 @@ Cause = Literal[
     "log_of_zero_probability",  # log of probabilities that underflowed to 0 (kl_div, entropy)
     "adam_eps_underflow",       # Adam's eps rounds to 0 in float16: 0/0 in the update
     "repeated_eigenvalues",     # eigh/svd backward divides by differences of equal eigenvalues
+    "overflow",                 # values so large for their dtype that squares (a variance, a norm) or sums overflowed
+    "minus_inf_flipped",        # an intentional -inf (a mask) turned into +inf (label smoothing's -sum of log p)
+    "eps_rounds_to_zero",       # a small constant (``eps``) rounds to 0 in float16/bfloat16: 0/0 (``eps``)
+    "logvar_exp",               # exp of a large log-variance (a VAE's std = exp(0.5 * logvar)): clamp it
+    "handwritten_softplus",     # log(1 + exp(x)) written by hand (softplus, mish): exp overflows; F.softplus
+    "zero_gradient_update",     # an adaptive step with eps=0 where the gradient is 0: 0/0, whatever the lr
 ]
+# A constant below half its dtype's smallest subnormal rounds to 0 there (eps=1e-12 in float16): one table for
+# the recorder (which constants to note) and the hints (which eps to blame).
+ROUNDS_TO_ZERO = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "input")
 KINDS: tuple[Kind, ...] = ("nan", "inf")
 
@@ -44,7 +53,8 @@ class NanEvent:
 
     Structured facts for the hint (never parsed back out of ``detail``, which is for people):
     ``cause``; ``param``/``param_kind`` for a parameter or buffer that carried it; ``lr``/``eps``/
-    ``grad_finite`` for optimizer events (``lr`` also on later births when the learning rate grew);
+    ``grad_finite`` for optimizer events (``lr`` also on later births when the learning rate grew; ``eps``
+    also on a half-precision birth whose module passed an op a constant the dtype rounds to 0);
     ``input_op``, the autograd node that made the op's first input (``ClampMinBackward0``).
     """
 

@@ -77,7 +77,8 @@ class Capture:
 # -- the summary that is kept -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
-    """One profiled step: its number (1-based, in the cell), wall time and host time by category (ms,
+    """One profiled step: its number (the optimizer steps completed before it in the cell, from 0: the
+    README's one step axis; DataLoader batches alike), wall time and host time by category (ms,
     adding up to ``ms``), its top-level torch ops, its copies, and on a GPU the device's busy time."""
 
     number: int

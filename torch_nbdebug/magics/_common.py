@@ -188,20 +188,20 @@ def unquote(value: Optional[str]) -> Optional[str]:
 
 
 def tensorboard_dir(value: Optional[str], magic: str) -> Optional[str]:
-    """The ``--tensorboard DIR`` of a magic, checked before the cell runs (a missing TensorBoard is a
-    UsageError saying how to install it, not a failure after a long training cell)."""
+    """The ``--tensorboard DIR`` of a magic, checked before the cell runs (a missing TensorBoard, or a
+    directory that cannot be made, is a UsageError saying so, not a failure after a long training cell)."""
     path = unquote(value)
     if path is None:
         return None
     if not path.strip():
         raise UsageError(f"{magic} --tensorboard needs a directory, e.g. --tensorboard runs/exp1")
-    from torch_nbdebug.api.tensorboard import require_tensorboard
+    from torch_nbdebug.api.tensorboard import check_logdir, require_tensorboard
 
     try:
         require_tensorboard()
-    except ImportError as exc:
+        return check_logdir(path)
+    except (ImportError, InputError) as exc:
         raise UsageError(str(exc)) from None
-    return path
 
 
 def write_tensorboard(result: Any, path: Optional[str]) -> None:

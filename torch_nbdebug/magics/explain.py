@@ -62,6 +62,8 @@ class ExplainMagics(Magics):
             self._show_failure(exc, scope.result.diagnosis, args.quiet)
             raise
         self.shell.user_ns["_explain"] = None
+        if scope.result.note and not args.quiet:
+            print(f"%%explain: {scope.result.note}")
         if value is not None:
             display(value)
         return None

@@ -46,7 +46,7 @@ class AutoExplainer:
         if previous_types and isinstance(value, previous_types):
             previous(etype, value, tb, tb_offset=tb_offset)  # their handler shows its own traceback
             return
-        self.shell.showtraceback((etype, value, _shown(tb)), tb_offset=tb_offset, running_compiled_code=True)
+        self.shell.showtraceback((etype, value, _shown(tb, tb_offset or 0)), tb_offset=tb_offset, running_compiled_code=True)
 
     def explanation(self, value: BaseException) -> Any:
         """The card queued by ``%%explain`` for this exception, else (when enabled) a paragraph."""
@@ -66,20 +66,40 @@ class AutoExplainer:
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MAGICS = os.path.join(_PACKAGE, "magics") + os.sep
 
 
-def _shown(tb: Any) -> Any:
-    """The traceback to show: without the frames of ours that ask to be hidden (``__tracebackhide__``).
+def _shown(tb: Any, offset: int = 0) -> Any:
+    """The traceback to show: the frames the user would see without us.
 
-    IPython honours the flag but always shows the innermost frame, and when a torch op called from our
-    recorder's mode raises in C, that frame is ours (``return func(*args, **kwargs)``). A new chain:
-    the exception's own ``__traceback__`` is left as it is.
+    Left out: the frames of ours that ask to be hidden (``__tracebackhide__``) -- IPython honours the
+    flag but always shows the innermost frame, and when a torch op called from our recorder's mode
+    raises in C, that frame is ours (``return func(*args, **kwargs)``); the cell line that called one of
+    our cell magics (``get_ipython().run_cell_magic(...)``) and the shell's frames above the magic, as
+    IPython hides its own; under one of our magics, the frame that runs a module's hooks (there
+    because the watch installed global module hooks); and the frames the torch-function mode adds around a Python-level torch call
+    (``handle_torch_function``, and the call it re-enters: ``Tensor.backward`` is shown once). A new
+    chain: the exception's own ``__traceback__`` is left as it is. The first ``offset`` entries (the
+    shell's own, which IPython skips by its ``tb_offset``) stay.
     """
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    kept = [t for t in entries if not _hidden_ours(t.tb_frame)]
+    ours = [_hidden_ours(t.tb_frame) for t in entries]
+    magic = next((i for i, t in enumerate(entries) if ours[i] and _is_magic(t.tb_frame)), None)
+    if magic is not None and not any(t.tb_frame.f_code.co_name == "run_cell_magic" for t in entries[:magic]):
+        magic = None  # a line magic: the cell's line that called it is the user's own
+    drop = set(range(offset, magic or 0))
+    if magic is not None:  # the frames our watch's global module hooks add to every module call
+        drop.update(i for i in range(magic, len(entries)) if _is_hook_runner(entries[i].tb_frame))
+    for i in range(magic or 0, len(entries)):
+        if ours[i] and i > 0 and not ours[i - 1] and _is_dispatcher(entries[i - 1].tb_frame):
+            drop.add(i - 1)  # handle_torch_function, which called our mode
+            after = next((j for j in range(i, len(entries)) if not ours[j]), None)
+            if i >= 2 and after is not None and entries[i - 2].tb_frame.f_code is entries[after].tb_frame.f_code:
+                drop.add(i - 2)  # the same torch function, entered again by the mode: shown once
+    kept = [t for i, t in enumerate(entries) if not ours[i] and i not in drop]
     if not kept or len(kept) == len(entries):
         return entries[0] if entries else None
     shown = None
@@ -91,6 +111,21 @@ def _shown(tb: Any) -> Any:
 def _hidden_ours(frame: types.FrameType) -> bool:
     # Only our frames are read, and only after they finished (the traceback is being shown).
     return frame.f_code.co_filename.startswith(_PACKAGE) and bool(frame.f_locals.get("__tracebackhide__"))
+
+
+def _is_magic(frame: types.FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_MAGICS)
+
+
+def _is_hook_runner(frame: types.FrameType) -> bool:
+    code = frame.f_code
+    return getattr(code, "co_qualname", "") == "Module._call_impl.<locals>.inner" and \
+        code.co_filename.replace("\\", "/").endswith("torch/nn/modules/module.py")
+
+
+def _is_dispatcher(frame: types.FrameType) -> bool:
+    return frame.f_code.co_name == "handle_torch_function" and \
+        frame.f_code.co_filename.replace("\\", "/").endswith("torch/overrides.py")
 
 
 def _handler(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Optional[int] = None) -> None:

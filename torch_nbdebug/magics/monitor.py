@@ -71,6 +71,11 @@ class MonitorMagics(Magics):
         options, rest = split_line(line)
         args = parse_args(self.monitor, options)
         if cell is None:
+            if rest.strip():  # an unknown option is argparse's UsageError; expressions need a cell
+                parse_args(self.monitor, line)
+                raise UsageError(f"%monitor on its own line shows the last run again (-o returns it) and takes no "
+                                 f"expressions ({rest.strip()!r}): put %%monitor {rest.strip()} (two %) on the first "
+                                 f"line of the cell that trains")
             return show_last(self.shell.user_ns.get("_monitor"), args, "monitor", "watch a training loop", display)
         expressions = split_expressions(rest)
         body = CellBody(self.shell, require_body(cell, "monitor"), "monitor")  # bad cells fail before recording

@@ -1,6 +1,7 @@
 """``%%repro``: run the cell twice from the same state and say whether, where and why the runs differ."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -40,6 +41,7 @@ class ReproMagics(Magics):
 
         Python twin:  torch_nbdebug.repro(fn, state=(model, opt), restore_rng=True)
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.repro, line)
         if cell is None:
             return self._show_last(args)
@@ -48,7 +50,7 @@ class ReproMagics(Magics):
         failed, previous = True, last_report()
         report: Optional[ReproReport] = None
         try:
-            report, value = run_twice(lambda: run_body(self.shell, body), restore_rng=not args.no_restore_rng,
+            report, value = run_twice(partial(run_body, self.shell, body), restore_rng=not args.no_restore_rng,
                                       namespace=self.shell.user_ns)
             failed = False
         except InputError as exc:

@@ -8,8 +8,10 @@ from typing import Callable, Optional
 
 from torch_nbdebug.data.explain import Diagnosis, FailureFacts, Kind, Recording
 from torch_nbdebug.process.explain_hints import (
-    bmm_hint, broadcast_hint, cat_hint, conv_channels_hint, conv_rank_hint, device_hint, dtype_hint, graph_reuse,
-    index_hint, inplace, matmul_hint, no_grad, target_dtype_hint, view_hint)
+    bmm_hint, broadcast_hint, cat_hint, conv_channels_hint, conv_rank_hint, device_hint, dtype_hint, inplace,
+    loss_size_hint, matmul_hint, no_grad, target_dtype_hint, view_hint)
+from torch_nbdebug.process.explain_graph_reuse import graph_reuse
+from torch_nbdebug.process.explain_indices import index_dtype_hint, index_hint
 
 Hint = Callable[["re.Match[str]", FailureFacts, Optional[Recording]], dict[str, object]]
 
@@ -43,6 +45,9 @@ RULES: tuple[Rule, ...] = (
        r"for tensor number (\d+)", "shape", "aten::cat", cat_hint),
     _r(r"shape '\[([-\d, ]*)\]' is invalid for input of size (\d+)", "shape", "aten::view", view_hint),
     _r(r"view size is not compatible with input tensor's size and stride", "shape", "aten::view", view_hint),
+    _r(r"Target size \(torch\.Size\(\[([\d, ]*)\]\)\) must be the same as input size \(torch\.Size\(\[([\d, ]*)\]\)\)|"
+       r"Using a target size \(torch\.Size\(\[([\d, ]*)\]\)\) that is different to the input size "
+       r"\(torch\.Size\(\[([\d, ]*)\]\)\)", "shape", "loss", loss_size_hint),
     _r(r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton dimension (\d+)",
        "shape", "", broadcast_hint),
     _r(r"Expected input batch_size \((\d+)\) to match target batch_size \((\d+)\)", "shape", "aten::nll_loss",
@@ -53,6 +58,9 @@ RULES: tuple[Rule, ...] = (
        "device", "", device_hint),
     _r(r"expected target dtype to be Long or Byte, but got (\w+)|expected scalar type Long but found (\w+)",
        "dtype", "aten::nll_loss", target_dtype_hint),
+    _r(r"(\w+)\(\): Expected dtype int(?:32|64)(?:/int64| or int64)? for index", "dtype", "group:1",
+       index_dtype_hint),
+    _r(r"tensors used as indices must be long, int, byte or bool tensors", "dtype", "aten::index", index_dtype_hint),
     _r(r"must have the same dtype, but got (\w+) and (\w+)|expected m1 and m2 to have the same dtype|"
        r"Input type \((\w+)\) and (?:bias|weight) type \((\w+)\) should be the same|"
        r"expected scalar type (\w+) but found (\w+)|Found dtype (\w+) but expected (\w+)|"
@@ -85,6 +93,10 @@ def failing_op(rule: Optional[Rule], facts: FailureFacts, match: Optional["re.Ma
     by_call = _CALL_OPS.get(facts.call) or (f"aten::{facts.call}" if facts.call else "")
     if rule is None:
         return by_call
+    if facts.loss and rule.kind == "shape" and rule.op in ("", "loss"):  # a loss's own size check
+        return f"aten::{facts.loss}"
+    if rule.op == "loss":
+        return by_call
     if rule.op.startswith("group:") and match is not None:  # the message names the op
         return f"aten::{match.group(int(rule.op[6:]))}"
     if facts.call in _CALL_OPS:  # the call names the op more precisely than the message family
@@ -102,6 +114,8 @@ def diagnose(facts: FailureFacts, recording: Optional[Recording] = None) -> Opti
         fields = rule.explain(match, facts, recording)
     if kind == "other":
         fields = _other(facts)
+    if recording is not None:  # recorded already: "run it with %%explain" would send the user round in circles
+        fields.pop("suggest_record", None)
     return Diagnosis(kind=kind, message=facts.message, exc_type=facts.exc_type, op=failing_op(rule, facts, match),
                      module=facts.module, filename=facts.filename, lineno=facts.lineno, line=facts.line,
                      operands=facts.operands, recorded=recording is not None, **fields)  # type: ignore[arg-type]

@@ -118,6 +118,8 @@ def view_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording])
 
 
 def broadcast_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    if facts.loss and len(facts.loss_shapes) == 2:  # mse_loss & co. broadcast, then fail: a loss size error
+        return _loss_sizes(facts, facts.loss_shapes[0], facts.loss_shapes[1])
     groups = [int(g) for g in m.groups()]
     if len(groups) == 2:
         summary = f"the input has batch size {groups[0]} but the target {groups[1]}"
@@ -129,6 +131,37 @@ def broadcast_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Record
     return {"summary": summary + _in(facts), "hint": f"{summary}{' (' + shapes + ')' if shapes else ''}. "
             "Broadcasting aligns shapes from the right; each pair of sizes must be equal or 1. Add the "
             "missing dimension with `unsqueeze`, or fix the operand with the wrong size."}
+
+
+def loss_size_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
+    """``Target size (...) must be the same as input size (...)``: BCE losses check the sizes themselves."""
+    target, given = (tuple(_dims(g)) for g in (m.group(1), m.group(2)) if g is not None) if m.group(1) is not None \
+        else (tuple(_dims(m.group(3))), tuple(_dims(m.group(4))))
+    return _loss_sizes(facts, given, target)
+
+
+def _loss_sizes(facts: FailureFacts, given: tuple[int, ...], target: tuple[int, ...]) -> Fields:
+    loss = f"`{facts.loss}`" if facts.loss else "the loss"
+    out, tgt = (_operand_named(facts, shape, fallback) for shape, fallback in ((given, "output"), (target, "target")))
+    summary = f"{loss}{_in(facts)} got input {_sizes(given)} and target {_sizes(target)}: they must have the " \
+              "same shape"
+    if given == target + (1,) or given[:1] + given[2:] == target and given[1:2] == (1,):
+        fix = f"`{tgt}.unsqueeze(1)` (or `{out}.squeeze(1)`)"
+    elif target == given + (1,) or target[:1] + target[2:] == given and target[1:2] == (1,):
+        fix = f"`{tgt}.squeeze(1)` (or `{out}.unsqueeze(1)`)"
+    elif math.prod(given) == math.prod(target):
+        fix = f"`{tgt}.view_as({out})`"
+    else:
+        fix = ("nothing reshapes one into the other: the model's output size (`out_features` of its last "
+               "layer) and the targets' shape disagree, or the targets come from another batch")
+    return {"summary": summary,
+            "hint": f"{summary}. A size-1 dimension left over (or missing) broadcasts into wrong results or "
+                    f"fails: use {fix}." if fix.startswith("`") else f"{summary}: {fix}."}
+
+
+def _operand_named(facts: FailureFacts, shape: tuple[int, ...], fallback: str) -> str:
+    """The name, on the user's line, of the operand of this shape."""
+    return next((o.name for o in facts.operands if o.shape == shape), fallback)
 
 
 # -- dtypes and devices --------------------------------------------------------------------------
@@ -148,7 +181,27 @@ def dtype_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]
            "(or `torch.from_numpy(a).float()`), or build the model in float64 with `model.double()`"
            if double else "convert one operand with `.to(other.dtype)`")
     summary = f"operands of different dtypes{_in(facts)}"
-    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. {fix[0].upper()}{fix[1:]}."}
+    fix = made_in_forward(facts, "`model.double()`/`.half()`", "dtype=x.dtype") or f"{fix[0].upper()}{fix[1:]}."
+    return {**culprit_fields(facts.made_site), "summary": summary,
+            "hint": f"{summary}{': ' + named if named else ''}. {fix}"}
+
+
+def made_in_forward(facts: FailureFacts, mover: str, keyword: str) -> str:
+    """The fix when the odd one out was made inside a ``forward`` (``mover`` never reached it), else ''."""
+    if facts.module_made_in_forward:
+        owner, _, var = facts.module.rpartition(".")
+        site = facts.made_site
+        local = site is None or "." not in site.line.split("=")[0]  # ``proj = ...``, not ``self.proj = ...``
+        anew = " (and it is made anew, untrained, at every call)" if local else " (it did not exist yet)"
+        return (f"`{facts.module}` is made inside `{owner}`'s forward, so {mover} never reaches it{anew}: "
+                f"create it once in `__init__` (`self.{var} = ...`).")
+    if facts.made_in_forward:
+        names = ", ".join(f"`{n}`" for n in facts.made_in_forward)
+        return (f"{names} {'is' if len(facts.made_in_forward) == 1 else 'are'} made inside "
+                f"`{facts.module or 'the'}`'s forward, which {mover} never reaches: create it with `{keyword}` "
+                f"from the input, or once in `__init__` as a buffer (`self.register_buffer(...)`), which moves "
+                f"with the model.")
+    return ""
 
 
 def device_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
@@ -157,56 +210,11 @@ def device_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording
         by_device.setdefault(o.device, []).append(f"`{o.name}`")
     named = "; ".join(f"{', '.join(v)} on {k}" for k, v in by_device.items())
     summary = f"operands on different devices{_in(facts)}"
-    return {"summary": summary, "hint": f"{summary}{': ' + named if named else ''}. Move the model once "
-            "(`model.to(device)`), move every batch (`x = x.to(device)`), and create new tensors inside "
-            "`forward` with `device=x.device`."}
-
-
-# -- indices -----------------------------------------------------------------------------------
-def index_hint(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
-    if "device-side assert" in m.group(0):
-        return {"summary": "CUDA device-side assert (most often an index out of range)", "restart_needed": True,
-                "hint": "a kernel failed an assertion, usually an index (embedding token id, class target, "
-                "gather/index_select index) out of range. The CUDA context is now unusable: restart the "
-                "kernel, then run the failing cell with `%%explain --check-indices` on its first line: it "
-                "checks index arguments before they reach CUDA ops, so the run stops at the right line with "
-                "the bad value, before the assert. (Or reproduce on the CPU, or set CUDA_LAUNCH_BLOCKING=1.)"}
-    value, size = _index_numbers(m, facts)
-    op = f"aten::{m.group(2)}" if "is out of range for" in m.group(0) else _op_of(facts)
-    what = {"aten::embedding": "rows (num_embeddings)", "aten::nll_loss": "classes",
-            "aten::cross_entropy_loss": "classes", "aten::cross_entropy": "classes"}.get(op, "entries")
-    named = next((o.name for o in facts.operands if o.dtype.startswith(("int", "uint"))), "")
-    index = f"`{named}`" if named else "an index"
-    if value is None:
-        summary = f"index out of range{_in(facts)}"
-    else:
-        summary = f"{index} holds {value}, but{' `' + facts.module + '`' if facts.module else ' it'} has only " \
-                  f"{size} {what} (valid 0..{size - 1 if size is not None else '?'})"
-    fix = ("labels are probably 1-based or there are more classes than outputs: use 0-based labels "
-           "(`y - 1`) or raise the number of outputs" if "classes" in what else
-           "the vocabulary grew (a special token added to the tokenizer but not to the embedding: "
-           "`model.resize_token_embeddings` or a larger `num_embeddings`), or the ids come from another "
-           "tokenizer" if "rows" in what else "clamp or filter the indices, or check the `dim=`")
-    return {"summary": summary, "hint": f"{summary}: {fix}. On CUDA this is a device-side assert; "
-            "`%%explain --check-indices` catches it before the kernel runs."}
-
-
-def _op_of(facts: FailureFacts) -> str:
-    return {"embedding": "aten::embedding", "cross_entropy": "aten::cross_entropy_loss",
-            "cross_entropy_loss": "aten::cross_entropy_loss", "nll_loss": "aten::nll_loss",
-            "nll_loss_nd": "aten::nll_loss"}.get(facts.call, "")
-
-
-def _index_numbers(m: "re.Match[str]", facts: FailureFacts) -> tuple[Optional[int], Optional[int]]:
-    nums = [int(g) for g in m.groups() if g is not None and g.lstrip("-").isdigit()]
-    text = m.group(0)
-    if text.startswith("index") and "for dimension" in text and len(nums) == 3:
-        return nums[0], nums[2]
-    if (text.startswith("INDICES") or "is out of range for" in text) and len(nums) == 2:
-        return nums[0], nums[1]
-    if text.startswith("Target") and nums:
-        return nums[0], facts.index_size
-    return facts.index_value, facts.index_size
+    fix = made_in_forward(facts, "`model.to(device)`", "device=x.device") or (
+        "Move the model once (`model.to(device)`), move every batch (`x = x.to(device)`), and create new "
+        "tensors inside `forward` with `device=x.device`.")
+    return {**culprit_fields(facts.made_site), "summary": summary,
+            "hint": f"{summary}{': ' + named if named else ''}. {fix}"}
 
 
 # -- autograd ----------------------------------------------------------------------------------
@@ -219,9 +227,12 @@ def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
     step = _optimizer_step(rec, shape) if event is None and rec is not None else None
     if step is not None:
         by = f"`{step.site.op}()` at {_where(step.site)}"
+        wanted = {shape, tuple(reversed(shape))}
+        params = [n for n, s, v in facts.param_versions if s in wanted and v == version][:3]
+        weight = " and ".join(f"`{n}`" for n in params) or "a parameter"
         return {**culprit_fields(step.site),
-                "summary": f"{by} updated a parameter in place that this backward still needs",
-                "hint": f"{saved} is a parameter (or a view of one) saved by the forward pass; {by} updated "
+                "summary": f"{by} updated {weight} in place, which this backward still needs",
+                "hint": f"{saved} is {weight} (or a view of it) saved by the forward pass; {by} updated "
                         f"the parameters in place before this backward ran (version {version}). Call "
                         "backward() for every loss of that forward before `step()` (sum the losses, or "
                         "order them), or run the forward again after the step."}
@@ -231,7 +242,10 @@ def inplace(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
         return {"summary": f"{saved} was saved for backward, then modified in place",
                 "suggest_record": True,
                 "hint": f"{saved} was saved for backward and later modified in place (version {version}).{guess} "
-                        f"Run the cell with `%%explain` to name the op and line that modified it; then {never}."}
+                        f"Fix: {never}."}
+    if event.site.op == "__setitem__":
+        never = ("collect the pieces in a Python list and `torch.stack`/`torch.cat` them once, instead of "
+                 "assigning into slices of a tensor that earlier steps read (or assign into a `.clone()`)")
     saver = rec.site_of(event.node_seq) if rec is not None else None
     by = f"`{event.site.op}` at {_where(event.site)}"
     made = f"`{saver.op}` at {_where(saver)}" if saver is not None else f"{node}"
@@ -251,39 +265,17 @@ def _modifier(rec: Recording, node: str, version: int, shape: tuple[int, ...]) -
     name = re.sub(r"Backward\d*$", "", node)
     found = [e for e in rec.inplace if re.sub(r"Backward\d*$", "", e.node) == name and e.version == version]
     exact = [e for e in found if e.shape == shape] or found
-    return exact[-1] if exact else None
+    if exact:
+        return exact[-1]
+    # A view was saved (``h[:, t - 1]`` into a matmul: "output 0 of AsStrided"): the in-place op that
+    # brought the tensor it views to this version (``h[:, t] = out``).
+    views = [e for e in rec.inplace if e.version == version and len(e.shape) > len(shape)
+             and math.prod(e.shape) > math.prod(shape) and e.site.op in _WRITES_INTO]
+    return views[-1] if views else None
 
 
-def graph_reuse(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
-    old = facts.freed_nodes[0] if facts.freed_nodes else None
-    site = rec.site_of(old[1]) if rec is not None and old is not None else None
-    root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
-    fix = ("Detach the tensor where it is carried over (e.g. `h = h.detach()` before the next iteration), or "
-           "compute it inside the loop. `retain_graph=True` only hides this, and keeps every old graph alive.")
-    if facts.freed_root:  # ``loss.backward(); loss.backward()``: nothing was carried over
-        made = f" (made by `{site.op}` at {_where(site)})" if site is not None else ""
-        return {**(culprit_fields(site) if site is not None else {}),
-                "summary": f"backward() ran a second time through the same graph of {root}",
-                "hint": f"{root}{made} had its graph freed by the previous backward(). Call backward() once per "
-                        "forward pass: compute the loss again (run the forward again) before the next backward(), "
-                        "or pass `retain_graph=True` to the first backward() when two backward passes really must "
-                        "share one graph (two losses on one forward)."}
-    if site is None:
-        return {"summary": f"{root} reaches a graph that an earlier backward() already freed",
-                "suggest_record": True,
-                "hint": f"backward() ran through a graph the previous backward() freed. If it was called twice "
-                        f"on the same loss, compute the loss again before the next backward() (or pass "
-                        f"`retain_graph=True` to the first one when two backward passes must share a graph). "
-                        f"Otherwise a tensor computed before the previous backward() (a hidden state, a running "
-                        f"sum, features computed once outside the loop) is used again, so {root}'s graph runs "
-                        f"into the old, freed one. {fix}"}
-    made = f"`{site.op}` at {_where(site)}"
-    carried = assigned_name(site.line)
-    held = f" (`{carried}`)" if carried else ""
-    return {**culprit_fields(site),
-            "summary": f"{root} reuses the graph made by {made} before the previous backward()",
-            "hint": f"the tensor{held} made by {made} was built before the previous backward(), which freed "
-                    f"its graph, and {root} depends on it again. {fix.replace('`h = h.detach()`', f'`{carried} = {carried}.detach()`') if carried else fix}"}
+_WRITES_INTO = ("__setitem__", "copy_", "index_copy_", "index_put_", "masked_fill_", "masked_scatter_", "scatter_",
+                "fill_", "zero_")
 
 
 def assigned_name(line: str) -> str:
@@ -294,13 +286,25 @@ def assigned_name(line: str) -> str:
 
 _CUT_TEXT = {"no_grad": "ran under `torch.no_grad()`/`inference_mode()`", "detach": "`.detach()` cut the chain",
              "data": "`.data` cut the chain", "item": "`.item()` made a Python number",
-             "numpy": "`.numpy()` left autograd", "tolist": "`.tolist()` made Python numbers"}
+             "numpy": "`.numpy()` left autograd", "tolist": "`.tolist()` made Python numbers",
+             "tensor": "`torch.tensor(...)` copied the values into a new tensor without their history (use the "
+                       "tensor itself, or `torch.stack`/`torch.cat` to combine several)"}
+_STRONG_CUTS = ("no_grad", "detach", "data", "tensor")  # always cut; `.item()` and friends are often just logging
 
 
 def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -> Fields:
     root = f"`{facts.backward_of}`" if facts.backward_of else "the tensor"
     cut = _cut(rec)
     frozen = ", ".join(f"`{f}`" for f in facts.frozen_models)
+    if facts.frozen_call is not None and (cut is None or cut.how not in _STRONG_CUTS):
+        call = facts.frozen_call
+        return {**culprit_fields(call),
+                "summary": f"`{call.module}` at {_where(call)} has no parameter that requires grad",
+                "hint": f"{root} comes from `{call.module}` at {_where(call)}, and every parameter of "
+                        f"`{call.module}` has `requires_grad=False`, so its output has no gradient chain. Unfreeze "
+                        f"what should train (`for p in {call.module}.parameters(): p.requires_grad_(True)`), or "
+                        f"compute the loss through a module that trains.",
+                "warning": REQUIRES_GRAD_WARNING}
     if cut is not None:
         where = _where(cut.site)
         also = f" Also, no parameter of {frozen} requires grad." if frozen else ""
@@ -317,15 +321,14 @@ def no_grad(m: "re.Match[str]", facts: FailureFacts, rec: Optional[Recording]) -
              "`.item()`/numpy values")
     return {"summary": f"{root} does not require grad: the gradient chain was cut",
             "suggest_record": not frozen,
-            "hint": f"{root} has no grad_fn: {cause}."
-                    f"{'' if frozen else ' Run the cell with `%%explain` to find the line where the chain was cut.'}",
+            "hint": f"{root} has no grad_fn: {cause}.",
             "warning": REQUIRES_GRAD_WARNING}
 
 
 def _cut(rec: Optional[Recording]) -> Optional[CutEvent]:
     if rec is None or not rec.cuts:
         return None
-    strong = [c for c in rec.cuts if c.how in ("no_grad", "detach", "data")]
+    strong = [c for c in rec.cuts if c.how in _STRONG_CUTS]
     return (strong or list(rec.cuts))[-1]
 
 

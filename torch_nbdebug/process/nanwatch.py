@@ -13,8 +13,9 @@ from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.process.nanwatch_causes import CAUSE_HINTS as _CAUSE_HINTS
 from torch_nbdebug.process.nanwatch_causes import base_op as _base
 from torch_nbdebug.process.nanwatch_causes import cause_of
+from torch_nbdebug.process.nanwatch_scale import LARGEST, squares_overflow, sum_overflows
 
-_HALF_MAX = {"float16": 65504.0, "bfloat16": 3.39e38}
+_HALF_MAX = {d: LARGEST[d] for d in ("float16", "bfloat16")}
 
 
 def first_birth(events: Sequence[NanEvent]) -> Optional[NanEvent]:
@@ -27,8 +28,6 @@ def _has(stats: Iterable[TensorStats], pred: str) -> bool:
         if pred == "zero" and s.zeros:
             return True
         if pred == "neg" and s.min is not None and s.min < 0:
-            return True
-        if pred == "big" and s.max is not None and abs(s.max) > 1e30:
             return True
     return False
 
@@ -60,9 +59,11 @@ def _optimizer_hint(event: NanEvent) -> str:
            "divide by sqrt(v) + eps, so eps=0 with a zero gradient gives 0/0) or an inf/NaN learning rate; "
            "keep eps > 0" if grad_ok else "the gradient or optimizer state was non-finite")
     facts = ", ".join(f for f in (_lr(event.lr), _grad(event.grad_finite)) if f)
+    # 0/0 from a finite gradient is no step too large: only an overflow (or a bad gradient) is the lr's doing.
+    fix = (" Lower the learning rate or fix the schedule, and clip gradients (torch.nn.utils.clip_grad_norm_)."
+           if not grad_ok or event.kind == "inf" else " Check eps and the learning rate's value (not NaN/inf).")
     return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
-            f"{why}{f' ({facts})' if facts else ''}. Lower the learning rate or fix the schedule, and clip "
-            "gradients (torch.nn.utils.clip_grad_norm_).")
+            f"{why}{f' ({facts})' if facts else ''}.{fix}")
 
 
 def _lr(lr: Optional[float]) -> str:
@@ -97,6 +98,11 @@ def _forward_hint(name: str, event: NanEvent) -> str:
         return ("0 to a negative power gives inf, and a negative base with a fractional exponent gives NaN: "
                 "add eps to the base, or clamp it (or use abs()).")
     if name in ("div", "reciprocal", "floor_divide", "remainder", "fmod"):
+        denominator = ins[-1] if ins else None
+        if event.kind == "inf" and denominator is not None and denominator.min is not None and not denominator.zeros:
+            return ("The quotient overflowed (the denominator holds no zero): a large numerator over a small "
+                    "denominator passed the dtype's largest number. Guard the denominator (d.clamp_min(eps)) or "
+                    "scale the numerator down.")
         if event.kind == "nan":
             return "0/0 gives NaN: guard the denominator (x / (d + eps) or d.clamp_min(eps))."
         return "division by zero gives inf: guard the denominator (x / (d + eps) or d.clamp_min(eps))."
@@ -108,7 +114,7 @@ def _forward_hint(name: str, event: NanEvent) -> str:
         return f"{name} is only defined on a limited range (e.g. [-1, 1]): clamp the input slightly inside it."
     if name in ("var", "std", "var_mean", "std_mean"):
         return "var/std of a single element is NaN (unbiased, divides by n-1 = 0): use unbiased=False or more elements."
-    if name in ("mean",) and event.kind == "nan":
+    if name in ("mean",) and event.kind == "nan" and ins and ins[0].numel == 0:
         return "mean of an empty tensor is NaN: check the shape or the mask that selected it."
     if name in ("_softmax", "softmax", "_log_softmax", "log_softmax", "_scaled_dot_product_flash_attention_for_cpu",
                 "scaled_dot_product_attention", "_scaled_dot_product_efficient_attention"):
@@ -118,13 +124,10 @@ def _forward_hint(name: str, event: NanEvent) -> str:
             and event.kind == "nan":
         return ("The loss averaged over zero targets (0/0): every target in the batch equals ignore_index, or "
                 "the batch is empty. Skip such batches or use reduction='sum'.")
-    if _is_norm(name) and event.kind == "nan" and not _has(ins, "big"):
-        return ("Normalisation divided 0 by 0: the input has zero variance (a constant row or channel, or a "
-                "running_var of 0 in eval mode) and eps is 0. Keep eps > 0 (the default 1e-5), or check why "
-                "the input is constant.")
-    if _is_norm(name) and not half:
-        return ("Normalisation overflowed: the inputs are so large that their squares pass the dtype's maximum. "
-                "Scale them down earlier (a smaller init, a lower learning rate) or normalise in float32.")
+    if _is_norm(name) and not squares_overflow(ins[:1]):  # (an overflow has its own cause, and hint)
+        return ("Normalisation divided by a zero standard deviation (0/0 gives NaN, x/0 inf): the input has zero "
+                "variance (a constant row or channel, or a running_var of 0 in eval mode) and eps is 0. Keep "
+                "eps > 0 (the default 1e-5), or check why the input is constant.")
     if event.kind == "nan" and any(s.inf for s in ins):
         return "inf - inf or 0 * inf gives NaN: an earlier infinity met another one here; remove the infinity upstream."
     if half:
@@ -132,6 +135,10 @@ def _forward_hint(name: str, event: NanEvent) -> str:
                 "keep this op in float32, or normalise the inputs.")
     if event.kind == "inf":
         return "Overflow: values went past the dtype's largest number. Normalise or scale down the inputs."
+    if squares_overflow(ins, fused=False) or any(sum_overflows(s) for s in ins):
+        return ("This op made NaN from finite inputs this large for their dtype: products or sums of them overflow "
+                "to inf, and inf - inf is NaN. The values grew too large before this op: scale them down (a lower "
+                "learning rate if the weights diverged).")
     return "This op made NaN from finite inputs: check its inputs' ranges in the statistics below."
 
 

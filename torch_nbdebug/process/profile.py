@@ -169,7 +169,7 @@ def summarize(capture: Capture, warmup: int = 1) -> ProfileData:
     if warmup and not skip and source != "cell":
         notes.append(f"only {len(windows)} step(s) ran: none was skipped as warm-up, so the first one's "
                      f"one-off costs are in the figures")
-    numbered = list(enumerate(windows, start=1))[skip:]
+    numbered = list(enumerate(windows))[skip:]  # a step's number: optimizer steps before it
     segments = partition(tree, capture)
     seg_starts = [s.start for s in segments]
     device_spans = [(e.start, e.end) for e, k in zip(tree.events, tree.kinds) if k == "device"]
@@ -195,7 +195,7 @@ def summarize(capture: Capture, warmup: int = 1) -> ProfileData:
     median_step = sorted(steps, key=lambda s: s.ms)[len(steps) // 2] if steps else None
     timeline: tuple[Segment, ...] = ()
     if median_step is not None:
-        lo, hi = windows[median_step.number - 1]
+        lo, hi = windows[median_step.number]
         timeline = _thin([Segment((s.start - lo) / 1000, (s.end - lo) / 1000, s.category, s.label)
                           for s in _clip(segments, seg_starts, lo, hi)])
     kept_ops = [tree.events[i].end - tree.events[i].start for t, i in op_start if _in(t, kept, [w[0] for w in kept])]

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.data.explain import CutEvent, InplaceEvent, OpSite, OptimizerStep, Recording
 from torch_nbdebug.record.compat import (function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
-                                         pop_function_mode, push_function_mode)
+                                         pop_function_mode, push_function_mode, tensor_version)
 from torch_nbdebug.record.explain_indices import check_index_arguments
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
@@ -31,7 +31,8 @@ from torch_nbdebug.record.source import is_user_code, line_of
 
 _MAX_SITES = 100_000  # spans of about 200 bytes: at most ~20 MB; the oldest half is dropped past it
 _MAX_INPLACE = 10_000
-_CUTS = {"detach": "detach", "item": "item", "numpy": "numpy", "tolist": "tolist", "__get__": "data"}
+_CUTS = {"detach": "detach", "item": "item", "numpy": "numpy", "tolist": "tolist", "__get__": "data",
+         "tensor": "tensor"}  # torch.tensor(t): a copy with no history
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__ifloordiv__"}
 _Where = tuple[str, int]
@@ -108,10 +109,13 @@ class _ExplainMode(TorchFunctionMode):
             name = kind[1] if kind[0] == "inplace" else f"{kind[1]}(inplace=True)"
             return rec.inplace_call(func, name, args, kwargs, sys._getframe(2))
         if kind[0] == "backward":
-            rec.backward_called(args)
+            rec.backward_called(args, sys._getframe(2))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+        source = args[0] if args else None
+        if kind[0] == "tensor" and isinstance(source, (list, tuple)):  # torch.tensor([a, b]) of 0-d tensors
+            source = next((t for t in source if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if isinstance(source, torch.Tensor) and source.requires_grad:
             rec.cut(kind[0], kind[1], sys._getframe(2))
         return out
 
@@ -121,15 +125,19 @@ class ExplainRecorder:
 
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None, *, check_indices: bool = False) -> None:
         self.check_indices = check_indices
-        self.tracker = ModuleTracker(namespace)
+        self.tracker = ModuleTracker(namespace, on_enter=self._entered, on_exit=self._left)
         self._mode: Optional[_ExplainMode] = None
-        # (first, last + 1 node sequence number, op, module, where): what each call made, in order
-        self.spans: list[tuple[int, int, str, str, _Where]] = []
+        # (first, last + 1 node sequence number, op, module, where, outer): what each call made, in order;
+        # outer: the user's line outside every forward that led to it (the line that called the model)
+        self.spans: list[tuple[int, int, str, str, _Where, _Where]] = []
+        self._outer: _Where = ("", 0)  # while a model's forward runs: the line that called it
+        self._start_seq = 0  # nodes numbered below it were made before the recording began
         self.inplace: list[tuple[str, str, _Where, int, tuple[int, ...], str, int]] = []
         self.cuts: list[tuple[str, str, str, _Where]] = []
         self._cut_lines: set[tuple[str, _Where]] = set()
         self.backward_marks: list[int] = []  # the next node sequence number at each .backward() call
-        self._root: Optional["weakref.ref[torch.Tensor]"] = None
+        self.backward_sites: list[_Where] = []  # the user's line of each .backward() call
+        self._roots: list[Optional["weakref.ref[torch.Tensor]"]] = []  # the last two backward roots, weakly
         self.paused = False  # inside optimizer.step()
         self._popped = False  # the mode is off the stack for an optimizer step
         self._hooks: list[Any] = []
@@ -144,6 +152,7 @@ class ExplainRecorder:
             raise
 
     def _install(self) -> None:
+        self._start_seq = next_sequence_nr()
         self.tracker.__enter__()
         self._hooks.append(register_optimizer_step_pre_hook(self._pre_step))
         self._hooks.append(register_optimizer_step_post_hook(self._post_step))
@@ -191,10 +200,21 @@ class ExplainRecorder:
         if len(self.steps) > 1000:
             del self.steps[:500]
 
+    # -- module boundaries (the tracker's callbacks) --------------------------------------------
+    def _entered(self, path: str, module: Any) -> None:
+        if len(self.tracker.stack) == 1:  # a model called from user code: once per call, not per op
+            self._outer = _user_where(_outside_forward(sys._getframe(1)))
+
+    def _left(self, path: str, module: Any, output: Any) -> None:
+        if not self.tracker.stack:
+            self._outer = ("", 0)
+
     # -- called by the mode ------------------------------------------------------------------
     def made(self, start: int, end: int, name: str, frame: Any) -> None:
         stack = self.tracker.stack
-        self.spans.append((start, end, name, stack[-1] if stack else "", _user_where(frame)))
+        where = _user_where(frame)
+        self.spans.append((start, end, name, stack[-1] if stack else "", where,
+                           self._outer if stack and self._outer[1] else where))
         if len(self.spans) > _MAX_SITES:
             del self.spans[: _MAX_SITES // 2]
 
@@ -206,11 +226,12 @@ class ExplainRecorder:
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             self.cut("no_grad", name, _outside_forward(frame), outer=True)
 
-    def site_of(self, seq: int) -> Optional[tuple[str, str, _Where]]:
-        """Where the autograd node numbered ``seq`` was made: (op, module, (filename, lineno))."""
+    def site_of(self, seq: int) -> Optional[tuple[str, str, _Where, _Where]]:
+        """Where the autograd node numbered ``seq`` was made: (op, module, (filename, lineno), and the
+        line outside every forward that led to it)."""
         i = bisect.bisect_right(self.spans, (seq, _INF)) - 1
         if i >= 0 and self.spans[i][0] <= seq < self.spans[i][1]:
-            return self.spans[i][2], self.spans[i][3], self.spans[i][4]
+            return self.spans[i][2], self.spans[i][3], self.spans[i][4], self.spans[i][5]
         return None
 
     def inplace_call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Any) -> Any:
@@ -222,11 +243,15 @@ class ExplainRecorder:
         base = target._base if target._is_view() else None
         if base is not None and base.grad_fn is not None:
             node = base.grad_fn
+        # A tensor outside autograd that gets a value requiring grad (``h[:, t] = out`` into zeros) is
+        # recorded too: a later op may save a view of it, and the next assignment is then the culprit.
+        grows = node is None and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
         out = func(*args, **kwargs)
-        if node is not None:
+        if node is not None or grows:
             where = _user_where(frame)
-            self.inplace.append((name, self.tracker.current or "", where, target._version,
-                                 tuple(target.shape), type(node).__name__, node_sequence_nr(node)))
+            self.inplace.append((name, self.tracker.current or "", where, tensor_version(target),
+                                 tuple(target.shape), type(node).__name__ if node is not None else "",
+                                 node_sequence_nr(node) if node is not None else -1))
             if len(self.inplace) > _MAX_INPLACE:
                 del self.inplace[: _MAX_INPLACE // 2]
         return out
@@ -239,18 +264,30 @@ class ExplainRecorder:
             module = (stack[0] if outer else stack[-1]) if stack else ""
             self.cuts.append((how, f"{name} under no_grad" if how == "no_grad" else name, module, where))
 
-    def backward_called(self, args: tuple[Any, ...]) -> None:
+    def backward_called(self, args: tuple[Any, ...], frame: Any) -> None:
         self.backward_marks.append(next_sequence_nr())
+        self.backward_sites.append(_user_where(frame))
+        if len(self.backward_marks) > 1000:
+            del self.backward_marks[:500], self.backward_sites[:500]
         root = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        self._root = weakref.ref(root) if root is not None else None
+        self._roots = [*self._roots[-1:], weakref.ref(root) if root is not None else None]
 
     def backward_root(self) -> Optional[torch.Tensor]:
         """The tensor the last ``.backward()`` was called on, if it is still alive (held weakly)."""
-        return self._root() if self._root is not None else None
+        return self._roots[-1]() if self._roots and self._roots[-1] is not None else None
+
+    def repeated_root(self) -> bool:
+        """Whether the last two ``.backward()`` calls were on the same tensor (else: two losses)."""
+        if len(self._roots) < 2 or self._roots[0] is None or self._roots[1] is None:
+            return False
+        return self._roots[0]() is not None and self._roots[0]() is self._roots[1]()
 
     def old_graph_before(self) -> Optional[int]:
-        """Nodes numbered below this were made before the previous ``.backward()`` (None: fewer than two)."""
-        return self.backward_marks[-2] if len(self.backward_marks) >= 2 else None
+        """Nodes numbered below this were made before the previous ``.backward()`` -- or, when the failing
+        one is the first this recording saw, before the recording began (None: no backward seen)."""
+        if len(self.backward_marks) >= 2:
+            return self.backward_marks[-2]
+        return self._start_seq if self.backward_marks else None
 
     # -- results -------------------------------------------------------------------------------
     def recording(self, wanted_seqs: tuple[int, ...] = ()) -> Recording:
@@ -259,12 +296,16 @@ class ExplainRecorder:
                                      node=node, node_seq=seq)
                         for name, module, where, version, shape, node, seq in self.inplace[-500:])
         seqs = set(wanted_seqs) | {e.node_seq for e in inplace}
-        found = ((seq, self.site_of(seq)) for seq in sorted(seqs) if seq >= 0)
-        sites = tuple((seq, _site(*where)) for seq, where in found if where is not None)
+        found = [(seq, self.site_of(seq)) for seq in sorted(seqs) if seq >= 0]
+        sites = tuple((seq, _site(*where[:3])) for seq, where in found if where is not None)
+        outer = tuple((seq, _site("", "", where[3])) for seq, where in found
+                      if where is not None and where[3] != where[2])
+        backwards = tuple(_site("backward", "", where) for where in self.backward_sites[-2:])
         cuts = tuple(CutEvent(how=how, site=_site(name, module, where))  # type: ignore[arg-type]
                      for how, name, module, where in self.cuts[-100:])
         steps = tuple(OptimizerStep(site=_site(op, "", where), shapes=shapes) for op, where, shapes in self.steps[-20:])
-        return Recording(inplace=inplace, cuts=cuts, sites=sites, steps=steps)
+        return Recording(inplace=inplace, cuts=cuts, sites=sites, steps=steps, outer=outer, backwards=backwards,
+                         repeated_root=self.repeated_root())
 
     def clear(self) -> None:
         self.spans.clear()
@@ -272,8 +313,9 @@ class ExplainRecorder:
         self.cuts.clear()
         self._cut_lines.clear()
         self.backward_marks.clear()
+        self.backward_sites.clear()
         self.steps.clear()
-        self._root = None
+        self._roots = []
 
 
 def _site(op: str, module: str, where: Any) -> OpSite:

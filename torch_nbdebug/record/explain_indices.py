@@ -76,13 +76,14 @@ def check_index_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _raise_if_out_of_range(name: str, index: torch.Tensor, size: int, what: str, allow_negative: bool) -> None:
-    with torch.no_grad():
-        low = -size if allow_negative else 0
-        bad = (index < low) | (index >= size)
-        if not bool(bad.any()):
-            return
-        position = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        value = int(index[position].item()) if position else int(index.item())
+    # No ``torch.no_grad()``: an integer index never requires grad, and a grad-mode switch of ours is one
+    # a Stop could cut between its two halves, leaving autograd off for the rest of the kernel.
+    low = -size if allow_negative else 0
+    bad = (index < low) | (index >= size)
+    if not bool(bad.any()):
+        return
+    position = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    value = int(index[position].item()) if position else int(index.item())
     raise IndexCheckError(
         f"index {value} is out of range for {name} with {size} {what} (valid: {low}..{size - 1}); "
         f"first bad value at position {position} of the index tensor of shape {list(index.shape)}. "

@@ -8,11 +8,9 @@ lists, tuples and dicts. No property, ``__getattr__`` or ``__getitem__`` of the 
 from __future__ import annotations
 
 import ast
-import inspect
 import linecache
 import os
 import re
-import sys
 import types
 from collections import ChainMap
 from typing import Any, Iterator, Mapping, Optional
@@ -21,15 +19,16 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
-from torch_nbdebug.record.compat import node_sequence_nr
+from torch_nbdebug.record.compat import node_sequence_nr, tensor_version
+from torch_nbdebug.record.explain_frames import (Frames, call_site, loss_facts, made_facts, made_in_forward,
+                                                 module_locals, module_of, user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
-from torch_nbdebug.record.source import frame_locals, is_user_file, line_of
+from torch_nbdebug.record.source import is_user_file, line_of
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _MISSING = object()
 _BACKWARD = re.compile(r"([\w.\[\]'\"]+)\s*\.backward\(|autograd\.(?:backward|grad)\(\s*([\w.\[\]'\"]+)")
 _MAX_NODES = 20_000
-Frames = list[tuple[types.FrameType, int]]
 
 
 def frames_of(exc: BaseException) -> Frames:
@@ -55,16 +54,25 @@ def failure_facts(exc: BaseException, namespace: Optional[Mapping[str, Any]] = N
     if namespace is None:
         namespace = _user_globals(frames)
     names = qualified_names(module_roots(namespace))
+    made = module_locals(frames, names)  # modules a forward made for itself: ``model.proj``
+    names.update(made)
     operands = tuple(_operands(frames, names, user))
     facts: dict[str, Any] = dict(exc_type=type(exc).__name__, message=str(exc),
                                  from_torch=_from_torch(exc, frames, user, operands), operands=operands)
     facts.update(_where_facts(frames, user, names, _lasti_of(exc, frames[-1][0]) if frames else -1))
     if _INDEX_MESSAGE.search(str(exc)) and "CUDA error" not in str(exc):  # after an assert, no kernel may run
         facts.update(_index_facts(frames, facts.get("call", "")))
-    if "inplace operation" in facts["message"] and not facts.get("inplace_modules"):
-        facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
+    if "inplace operation" in facts["message"]:
+        if not facts.get("inplace_modules"):
+            facts["inplace_modules"] = _inplace_modules(module_roots(namespace), names)
+        facts["param_versions"] = _param_versions(module_roots(namespace))
+    facts.update(loss_facts(frames))
     if user is not None:
-        facts.update(_backward_facts(user[0], facts.get("line", ""), namespace, old_graph_before, backward_root))
+        facts["made_in_forward"] = made_in_forward(user[0], tuple(o.name for o in operands))
+    facts.update(made_facts(frames, names, facts.get("module", ""), made, facts.get("made_in_forward", ())))
+    if user is not None:
+        facts.update(_backward_facts(user[0], user[1], facts.get("line", ""), namespace, old_graph_before,
+                                     backward_root))
     return FailureFacts(**facts)
 
 
@@ -90,7 +98,9 @@ def _where_facts(frames: Frames, user: Optional[tuple[types.FrameType, int]], na
     if frames:
         facts["call"] = _raising_call(tb_lasti, frames[-1][0]) or \
             _last_call(line_of(frames[-1][0].f_code.co_filename, frames[-1][1]).text)
-    modules = [m for m in (_module_of(f) for f, _ in frames) if m is not None]
+        if facts["call"].endswith(("Error", "Exception")):  # ``raise ValueError(...)``: the function raising
+            facts["call"] = frames[-1][0].f_code.co_name
+    modules = [m for m in (module_of(f) for f, _ in frames) if m is not None]
     if modules:
         module = modules[-1]
         facts.update(module=names.get(id(module), type(module).__name__.lower()),
@@ -115,36 +125,6 @@ def _from_torch(exc: BaseException, frames: Frames, user: Optional[tuple[types.F
         return False
     text = line_of(user[0].f_code.co_filename, user[1]).text
     return bool(operands) and not text.startswith("raise")
-
-
-def _locals(frame: types.FrameType) -> Mapping[str, Any]:
-    """A frame's locals: the real objects, so operands are told apart by identity.
-
-    A function frame that is still running (the ``with explain()`` block's, the cell's caller) is read
-    with :func:`frame_locals`: up to Python 3.12 a plain ``f_locals`` read would attach a snapshot
-    to the frame that keeps every local alive until the function returns, even after the user deletes
-    it; the copy returned lives only as long as the scan using it. Finished frames (the traceback
-    below the handler) and module-level code (a notebook cell, whose locals are its globals) are read
-    directly.
-    """
-    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-        return frame.f_locals
-    running = sys._getframe(1)
-    while running is not None:
-        if running is frame:
-            local = frame_locals(frame)
-            return {} if local is None else local
-        running = running.f_back
-    return frame.f_locals
-
-
-def _module_of(frame: types.FrameType) -> Optional[nn.Module]:
-    """The module whose ``forward`` this frame runs (its first argument, whatever it is called)."""
-    code = frame.f_code
-    if code.co_name != "forward" or code.co_argcount == 0:
-        return None
-    me = _locals(frame).get(code.co_varnames[0])
-    return me if isinstance(me, nn.Module) else None
 
 
 _IGNORED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # torch_nbdebug's own
@@ -225,7 +205,7 @@ def _operands(frames: Frames, names: dict[int, str], user: Optional[tuple[types.
         chosen.append(frames[-1])
     count = 0
     for frame, lineno in chosen:
-        me = _module_of(frame)
+        me = module_of(frame)
         prefix = names.get(id(me), "") if me is not None else ""
         own = frame.f_code.co_varnames[0] + "." if me is not None else ""
         for expr, value in _line_values(frame, lineno):
@@ -249,7 +229,7 @@ def describe_tensor(name: str, value: torch.Tensor) -> Operand:
 def _line_values(frame: types.FrameType, lineno: int) -> Iterator[tuple[str, Any]]:
     text = line_of(frame.f_code.co_filename, lineno).text
     for expr in operand_expressions(text):
-        value = safe_eval(expr, _locals(frame), frame.f_globals)
+        value = safe_eval(expr, user_locals(frame), frame.f_globals)
         if value is not _MISSING:
             yield expr, value
 
@@ -314,13 +294,20 @@ def _static_attr(obj: Any, name: str) -> Any:
 
 # -- model, index and backward facts -----------------------------------------------------------
 def _model_facts(root: nn.Module, frames: Frames, names: dict[int, str]) -> dict[str, Any]:
-    frame = next(f for f, _ in frames if _module_of(f) is root)
+    frame = next(f for f, _ in frames if module_of(f) is root)
     varnames = frame.f_code.co_varnames[1:frame.f_code.co_argcount]
-    first = _locals(frame).get(varnames[0]) if varnames else None
+    first = user_locals(frame).get(varnames[0]) if varnames else None
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in root.modules())
     inplace = _inplace_modules([("", root)], names)
     return {"model_input": shape, "model_has_conv": has_conv, "inplace_modules": inplace}
+
+
+def _param_versions(roots: list[tuple[str, nn.Module]]) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """The parameters modified in place (an optimizer's step), by name, with shape and version counter."""
+    found = [(f"{root}.{name}", tuple(p.shape), tensor_version(p)) for root, module in roots
+             for name, p in module.named_parameters()]
+    return tuple(f for f in found if f[2] > 0)[:512]
 
 
 def _inplace_modules(roots: list[tuple[str, nn.Module]], names: dict[int, str]) -> tuple[str, ...]:
@@ -334,51 +321,61 @@ def _index_facts(frames: Frames, call: str) -> dict[str, Any]:
     """The out-of-range value and the size it had to stay below, from the failing frame's tensors."""
     if not frames:
         return {}
-    local = _locals(frames[-1][0])
+    local = user_locals(frames[-1][0])
     tensors = [v for v in local.values() if isinstance(v, torch.Tensor) and v.layout == torch.strided]
     index = next((t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool and t.numel()), None)
     data = next((t for t in tensors if t.is_floating_point() and t.dim() > 0), None)
     if index is None or data is None or index.device.type == "meta":
         return {}
     size = data.shape[1] if call in {"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"} and data.dim() > 1 else data.shape[0]
-    with torch.no_grad():
-        bad = index[(index < 0) | (index >= size)]
-        if bad.numel() == 0:
-            return {}
-        return {"index_value": int(bad.flatten()[0].item()), "index_size": int(size)}
+    bad = index[(index < 0) | (index >= size)]  # an integer index: no autograd, no grad-mode switch needed
+    if bad.numel() == 0:
+        return {}
+    return {"index_value": int(bad.flatten()[0].item()), "index_size": int(size)}
 
 
-def _backward_facts(frame: types.FrameType, line: str, namespace: Mapping[str, Any],
+def _frozen(module: nn.Module) -> bool:
+    """Whether a module has parameters and none of them requires grad."""
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _backward_facts(frame: types.FrameType, line_number: int, line: str, namespace: Mapping[str, Any],
                     old_graph_before: Optional[int], known_root: Optional[torch.Tensor]) -> dict[str, Any]:
     match = _BACKWARD.search(line)
     if match is None:
         return {}
     expr = match.group(1) or match.group(2)
-    root = known_root if known_root is not None else safe_eval(expr, _locals(frame), frame.f_globals)
+    root = known_root if known_root is not None else safe_eval(expr, user_locals(frame), frame.f_globals)
     facts: dict[str, Any] = {"backward_of": expr}
-    frozen = tuple(name for name, m in module_roots(namespace)
-                   if any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters()))
+    roots = module_roots(namespace)
+    frozen = tuple(name for name, m in roots if _frozen(m))
     facts["frozen_models"] = frozen[:8]
+    parts = tuple(f"{name}.{sub}" for name, m in roots if name not in frozen
+                  for sub, child in m.named_children() if _frozen(child))  # a frozen backbone of a model
+    facts["frozen_call"] = call_site(frame, line_number, (frozen + parts)[:32])
     if isinstance(root, torch.Tensor) and root.grad_fn is not None and old_graph_before is not None:
         old = old_graph_nodes(root.grad_fn, old_graph_before)
-        facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n in old)[:16]
-        facts["freed_root"] = bool(old) and old[0] is root.grad_fn  # the same graph a second time
+        facts["freed_nodes"] = tuple((type(n).__name__, node_sequence_nr(n)) for n, _ in old)[:16]
+        facts["freed_users"] = tuple(user for _, user in old)[:16]
+        facts["freed_root"] = bool(old) and old[0][0] is root.grad_fn  # the same graph a second time
     return facts
 
 
-def old_graph_nodes(root: Any, before: int) -> list[Any]:
-    """The nodes numbered below ``before`` nearest ``root``: where its graph enters an older one."""
-    found: list[Any] = []
+def old_graph_nodes(root: Any, before: int) -> list[tuple[Any, int]]:
+    """The nodes numbered below ``before`` nearest ``root``, where its graph enters an older one, each
+    with the sequence number of the newer node that reached it (-1 for the root itself)."""
+    found: list[tuple[Any, int]] = []
     seen = {id(root)}
-    todo = [root]
+    todo = [(root, -1)]
     while todo and len(seen) < _MAX_NODES:
-        node = todo.pop()
+        node, user = todo.pop()
         if node_sequence_nr(node) < before and type(node).__name__ != "AccumulateGrad":
-            found.append(node)
+            found.append((node, user))
             continue
         for child, _ in getattr(node, "next_functions", ()):
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
-                todo.append(child)
-    found.sort(key=node_sequence_nr, reverse=True)
+                todo.append((child, node_sequence_nr(node)))
+    found.sort(key=lambda pair: node_sequence_nr(pair[0]), reverse=True)
     return found

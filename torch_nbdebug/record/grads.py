@@ -40,7 +40,7 @@ from torch_nbdebug.record.grads_stats import (
     whole_columns,
 )
 from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows, update_squares
-from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts
+from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts, no_grad_held
 
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
@@ -193,7 +193,7 @@ class GradRecorder:
                 self._chunks.recycle()
         row = row or self._record("optimizer")
         if row is not None:
-            with torch.no_grad():
+            with no_grad_held():
                 # Gathered again each step: writes through ``p.data`` (clipping, EMA swaps) change the
                 # weights without bumping any version, so the last step's "after" cannot stand in.
                 self._before = self._gather_params(row, after=False)
@@ -202,7 +202,7 @@ class GradRecorder:
         if self._before is None or not self._pending or not self._optimizer_covers(opt):
             return
         row = self._pending[-1]
-        with torch.no_grad():  # a few batched ops, whatever the number of parameters
+        with no_grad_held():  # a few batched ops, whatever the number of parameters
             self._gather_params(row, after=True)
             row["squares"] = update_squares(row["layout"], row["chunk"].weights())
         self._before = None
@@ -226,7 +226,7 @@ class GradRecorder:
         layout = self._sampler.layout(present, self._params[present[0]].grad.device)
         if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
-        with torch.no_grad():
+        with no_grad_held():
             row = sampled_rows(self._params, layout, self._sampler, *self._chunks.row_for(layout))
             row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
@@ -263,7 +263,7 @@ class GradRecorder:
                 groups[-1].append(r)
             else:
                 groups.append([r])
-        with torch.no_grad():
+        with no_grad_held():
             reduced = [reduce_rows(g, self.bins, finite=finite) for g in groups]
             for g, out in zip(groups, reduced):
                 if self.activations:

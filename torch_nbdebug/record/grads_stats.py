@@ -21,6 +21,7 @@ from torch import nn
 from torch_nbdebug.data.grads import FIELD, FIELDS
 from torch_nbdebug.record.grads_cpu import binned, unit_sums
 from torch_nbdebug.record.grads_steps import COL, RAW, float_norms, reduce_rows
+from torch_nbdebug.record.interrupts import no_grad_held
 
 _LARGE = 1 << 20  # elements from which a gradient's non-zeros are counted by count_nonzero
 
@@ -67,7 +68,7 @@ class Redo:
     def __init__(self, groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]], bins: int) -> None:
         redo = [(g, [int(i) for i in np.flatnonzero(a.pop("dirty", ()))]) for g, a in zip(groups, arrays)]
         self.todo = [(g, a, rows) for (g, rows), a in zip(redo, arrays) if rows]
-        with torch.no_grad():  # their update ratios stand (they do not depend on the gradient)
+        with no_grad_held():  # their update ratios stand (they do not depend on the gradient)
             self.fixed = [reduce_rows([g[i] for i in rows], bins, ratios=False) for g, _, rows in self.todo]
         self.tensors = [t for out in self.fixed for t in out.values()]
 
@@ -119,7 +120,7 @@ def _without_grad(make: Callable[_P, Generator[_Y, _S, _R]]) -> Callable[_P, Gen
             sent: Any = None
             while True:
                 try:
-                    with torch.no_grad():
+                    with no_grad_held():
                         wanted = inner.send(sent)
                 except StopIteration as stop:
                     return stop.value
@@ -409,7 +410,7 @@ def activation_row(module: nn.Module, inputs: Any, output: Any) -> Optional[torc
     inp = _first_tensor(inputs)
     if out is None or not out.is_floating_point() or out.numel() == 0:
         return None
-    with torch.no_grad():
+    with no_grad_held():
         o = out.detach().float()
         std, mean = torch.std_mean(o) if o.numel() > 1 else (o.new_zeros(()), o.mean())
         row = [mean, std, (o == 0).float().mean()]

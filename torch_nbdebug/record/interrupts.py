@@ -20,8 +20,13 @@ The rule here is therefore: **no Python code of ours runs in a weakref callback*
   removing a set of hooks is several steps, and a Stop between two of them would leave one behind.
   Inside the block a Stop is held, and raised when the block ends (in ordinary code, where it
   propagates); the steps run to completion first.
+- :class:`no_grad_held` is ``torch.no_grad()`` for a tool's own work inside the user's run (a hook,
+  a snapshot): ``torch.no_grad()`` switches grad mode off in ``__enter__`` and back in ``__exit__``,
+  and a Stop landing right after the switch (still inside ``__enter__``, so ``__exit__`` never runs)
+  or before the switch back (on ``__exit__``'s first instruction) would leave autograd off for the
+  rest of the kernel. Every grad-mode switch of the tools goes through it.
 
-Imports nothing but the standard library.
+Imports the standard library, and torch for :class:`no_grad_held`.
 """
 from __future__ import annotations
 
@@ -33,11 +38,13 @@ from collections import deque
 from types import FrameType
 from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
+import torch
+
 T = TypeVar("T")
 K = TypeVar("K")
 V = TypeVar("V")
 
-__all__ = ["CallbackQueue", "WeakIdMap", "deferred_interrupts"]
+__all__ = ["CallbackQueue", "WeakIdMap", "deferred_interrupts", "no_grad_held"]
 
 
 class CallbackQueue(Generic[T]):
@@ -158,3 +165,28 @@ class deferred_interrupts:
         held, self._held = self._held, None
         if held is not None and exc_type is None and sys.exc_info()[0] is None:
             previous(*held)  # Python's default handler raises KeyboardInterrupt, here
+
+
+class no_grad_held:
+    """``with no_grad_held():`` is ``with torch.no_grad():`` with a Stop held (:class:`deferred_interrupts`)
+    from before grad mode is switched off until after it is switched back, so a Stop never parts the
+    two switches (and is raised when the block ends). The block's own work holds a Stop too: keep it
+    short (a few batched ops per step, one snapshot)."""
+
+    __slots__ = ("_held", "_previous")
+
+    def __init__(self) -> None:
+        self._held = deferred_interrupts()
+        self._previous = True
+
+    def __enter__(self) -> None:
+        if not torch.compiler.is_compiling():  # traced into a compiled hook: no bytecode of ours runs there
+            self._held.__enter__()
+        self._previous = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            torch.set_grad_enabled(self._previous)
+        finally:
+            self._held.__exit__(exc_type, exc, tb)

@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torch_nbdebug.data.monitor import MonitorHistory, Status
 from torch_nbdebug.record import compat
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.interrupts import deferred_interrupts, no_grad_held
 from torch_nbdebug.record.modules import module_roots, parameter_names
 from torch_nbdebug.record.source import UserNamespace, frame_locals, skipped_note
 
@@ -153,7 +153,7 @@ class MonitorRecorder:
         self._clock: Optional[weakref.ref[Any]] = None
         self._others: dict[str, None] = {}
         self._layers: Optional[_Layers] = None
-        self._step = 0
+        self._step = -1  # the clock's step now: numbered by the steps completed before it, from 0 (as %%grads)
         self._row: Optional[dict[str, Any]] = None     # the step between its pre and post hooks
         self._pending: list[dict[str, Any]] = []
         self._host = {"steps": _Rows(1, 0, np.int64), "times": _Rows(1, math.nan, np.float64),
@@ -207,10 +207,10 @@ class MonitorRecorder:
         if not self._is_clock(opt):
             return
         self._step += 1
-        if (self._step - 1) % self.every:
+        if self._step % self.every:
             return
         try:
-            with torch.no_grad():
+            with no_grad_held():
                 self._row = self._before_step(opt)
         except Exception as exc:  # noqa: BLE001 - see _fail
             self._fail(exc)
@@ -220,7 +220,7 @@ class MonitorRecorder:
             return
         row, self._row = self._row, None
         try:
-            with torch.no_grad():
+            with no_grad_held():
                 self._after_step(row)
         except Exception as exc:  # noqa: BLE001 - see _fail
             return self._fail(exc)

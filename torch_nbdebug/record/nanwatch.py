@@ -32,7 +32,7 @@ from torch_nbdebug.record.nanwatch_immediate import ImmediateChecks
 from torch_nbdebug.record.nanwatch_layers import LayerRecorder
 from torch_nbdebug.record.nanwatch_log import EventLog
 from torch_nbdebug.record.nanwatch_mode import OpWatchMode
-from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+from torch_nbdebug.record.nanwatch_modules import HALF_UNWATCHED, ModuleChecks
 from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
 from torch_nbdebug.record.nanwatch_replay import (Replayer, relocate, replay_call, user_line, why_not_replayable,
                                                   with_forward)
@@ -72,6 +72,7 @@ class NanRecorder:
         self.modules = ModuleChecks(self, self.layers, self.deferred, self._depth, self._optimizer_busy)
         self.optim: Optional[OptimizerWatch] = None
         self._places: dict[int, Place] = {}
+        self._rounded: dict[tuple[int, Optional[str]], float] = {}  # (iteration, module) -> an eps rounded to 0
         self._last_seq = -1
         self._op_seq: Optional[int] = None
         self._quiet = 0
@@ -192,11 +193,14 @@ class NanRecorder:
             with self.log.not_raising():
                 self.flush()
                 self.log.commit_held()
+            if self.modules.saw_half and self.modules.replayer is not None and not self.log.has_events():
+                self.modules.replayer.note(HALF_UNWATCHED)  # what this watch did not see, said plainly
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error: the user's own error matters more
             self.internal_error("the flags still on the device", exc)
         finally:
             self.produced.clear()
             self._places.clear()
+            self._rounded.clear()
             self._moves.clear()
             self._model_place = None
             self.modules.forget()
@@ -477,6 +481,8 @@ class NanRecorder:
                 self.produced.add_all(out)
             return
         outs = ops.float_outputs(out)
+        if outs and outs[0].dtype in ops.HALF:  # (one dtype test: float32 ops pay nothing more)
+            self._note_rounded(args, kwargs, outs[0].dtype)
         if cat == ops.CHECK:
             if outs and len(self.log.events) < self.log.max_events:
                 self.ops_checked += 1
@@ -498,6 +504,19 @@ class NanRecorder:
             elif self.log.tracking_births():
                 self.immediate.absorb(args, kwargs, outs)
         self.produced.add_all(out)
+
+    def _note_rounded(self, args: tuple, kwargs: dict, dtype: torch.dtype) -> None:
+        """A constant the op's half dtype rounds to 0 (an eps): kept by iteration and module, for the hint of a
+        0/0 born there (:meth:`rounded_constant`)."""
+        value = ops.rounded_constant(args, kwargs, dtype)
+        if value is not None:
+            if len(self._rounded) >= _HANDLE_CAP:  # a long loop: the earlier iterations' are forgotten
+                self._rounded.clear()
+            self._rounded[(self.clock.iteration, self.module_path())] = value
+
+    def rounded_constant(self, iteration: int, module: Optional[str]) -> Optional[float]:
+        """The constant that rounded to 0 in this iteration and module (see :meth:`_note_rounded`), if any."""
+        return self._rounded.get((iteration, module))
 
     def _remember(self, seq: int, func: Any) -> None:
         if len(self._places) > _NODE_CAP:

@@ -29,6 +29,7 @@ class OpFacts(NamedTuple):
     out_nan: bool  # some output holds NaN (else only +-inf)
     inputs: tuple[InputFact, ...]
     had_events: bool  # an earlier birth (or input event) was already reported in this watch
+    out_pos_inf: bool = False  # some output holds +inf (its propagating sum is +inf)
 
 
 def judge(facts: OpFacts) -> Verdict:
@@ -37,6 +38,8 @@ def judge(facts: OpFacts) -> Verdict:
     The rules, in order:
     - all inputs finite: a birth;
     - backward, reading a forward value that a where/masked_fill threw away: a birth (the where trap);
+    - forward, before any birth, +inf out of inputs whose non-finite values are all -inf (an intentional
+      mask whose sign changed: ``-log p`` of a masked class, label smoothing's sum): a birth;
     - a non-finite input from outside the watch, before any birth, that is not an additive -inf mask:
       input data;
     - forward, before any birth, a NaN input that no watched op made (written by the code, another
@@ -48,6 +51,8 @@ def judge(facts: OpFacts) -> Verdict:
     if not bad:
         return "birth"
     if facts.phase == "backward" and any(i.from_absorbed for i in bad):
+        return "birth"
+    if facts.phase == "forward" and facts.out_pos_inf and not facts.had_events and all(i.neg_inf_only for i in bad):
         return "birth"
     external = [i for i in bad if i.external]
     if external and not facts.had_events and not is_mask(external, facts.out_nan):

@@ -78,6 +78,9 @@ class WatchContext(Protocol):
     def keep_handle(self, handle: Any) -> None:
         """A hook on a tensor or an autograd node: removed when the watch stops."""
 
+    def rounded_constant(self, iteration: int, module: Optional[str]) -> Optional[float]:
+        """A constant (an eps) that a half-precision op in this iteration and module rounded to 0."""
+
 
 def op_site(ctx: WatchContext, func: Any, phase: OpPhase, node: Any, seq: Optional[int],
             frame: types.FrameType) -> Site:
@@ -115,6 +118,10 @@ def report_op(ctx: WatchContext, site: Site, verdict: Verdict, kind: Kind, input
         extra.update(detail=detail)
     if verdict == "input":
         extra.update(carriers(ctx.namespace, culprit_keys).fields())
+    if output is not None and output.dtype in ("float16", "bfloat16"):  # an eps the dtype cannot hold
+        eps = ctx.rounded_constant(iteration, site.place.module)
+        if eps is not None:
+            extra.update(eps=eps)
     grown = ctx.lr.growth() if kind == "inf" else None
     if grown is not None:
         extra.update(lr=grown[0], lr_step=grown[1])

@@ -50,7 +50,8 @@ class Pending(NamedTuple):
     external: tuple[bool, ...]
     site: Optional[Site]
     iteration: int
-    extra: Any = None  # ops: (node key, producer of input 0, in place); module: the module; absorb: written;
+    extra: Any = None  # ops: (node key, producer of input 0, in place[, +inf out: added when read]); module: the
+    # module; absorb: written;
     # optim: the function that judges the step's norms
     reading: Optional[Later] = None  # module, grad: the layer table's reading of the output (see reading_flags)
 
@@ -163,6 +164,8 @@ class DeferredChecks:
             if p.reading is not None:  # the output's flags (first), from the table's reading of it
                 out_bad, out_nan, out_neg = reading_flags(p.reading.values, p.outputs[0].dtype == "float64")
                 bad, nan, neg = [out_bad] + bad, [out_nan] + nan, [out_neg] + neg
+            elif p.entry == "op" and any(bad[: p.n_out]):
+                p = p._replace(extra=p.extra + (any(v == _INF for v in sums[: p.n_out]),))  # +inf out
             if p.entry == "node":
                 # A gradient no replayed entry wrote (another node's storage) counts as non-finite: keep.
                 self.ctx.log.node_done(p.extra, bad + [self._bad_keys.get(k, True) for k in p.keys])
@@ -195,7 +198,7 @@ class DeferredChecks:
             keys = p.keys[: len(p.inputs)]
             facts = OpFacts(p.site.phase, out_nan, tuple(
                 InputFact(b, a, b and not a and s, b and e, p.site.phase == "backward" and b and log.from_absorbed(k))
-                for b, a, s, e, k in zip(in_bad, in_nan, neg[n:], p.external, keys)), log.has_events())
+                for b, a, s, e, k in zip(in_bad, in_nan, neg[n:], p.external, keys)), log.has_events(), p.extra[3])
             verdict = judge(facts)
             if verdict == "propagation" and p.site.phase == "forward":
                 log.propagated([k for k, b in zip(keys, in_bad) if b])

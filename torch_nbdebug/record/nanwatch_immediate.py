@@ -47,7 +47,8 @@ class ImmediateChecks:
         facts = OpFacts(phase, any(ops.has_nan(t) for t in bad), tuple(
             InputFact(b, v != v, v == -math.inf, b and not produced.contains(t),
                       phase == "backward" and log.from_absorbed(k))
-            for t, b, v, k in zip(inputs, in_bad, values, keys)), log.has_events())
+            for t, b, v, k in zip(inputs, in_bad, values, keys)), log.has_events(),
+            any(ops.sum_value(t) == math.inf for t in bad))
         verdict = judge(facts)
         if verdict == "propagation":
             if phase == "forward":
@@ -98,8 +99,9 @@ class ImmediateChecks:
 
 
 def _confirmed(t: torch.Tensor, total: float) -> float:
-    """The input's propagating sum, or 0.0 when only the sum overflowed (huge but finite values)."""
-    if not math.isfinite(total) and total == total and not ops.any_nonfinite(t):
+    """The input's propagating sum, or 0.0 when only the sum overflowed (huge but finite values: +-inf,
+    or NaN where both signs overflowed)."""
+    if not math.isfinite(total) and not ops.any_nonfinite(t):
         return 0.0
     return total
 

@@ -39,6 +39,7 @@ class KeptCheck:
         checks, outer, log = self.checks, self.outer, self.checks.ctx.log
         first = len(log.events)  # events of earlier checks are other births, not this output's
         freed: list[Kept] = []
+        overflowed_freed = False  # a call that may have overflowed inside was freed before its replay
         inside: list[Kept] = []
         waiting: list[Kept] = []  # enclosing calls of ``inside`` that could not be replayed
         later: list[Kept] = []  # an early check (the model still runs): ``inside`` ones wait for its end
@@ -63,6 +64,10 @@ class KeptCheck:
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
+            elif self._overflowed_inside(entry):
+                # names the op, if the replay sees one; a call whose arguments are gone (no_grad): the model's
+                if not self.replayer.birth(entry, first, fallback=False) and entry.call.resolved() is None:
+                    overflowed_freed = True
         if later:
             for entry in later:
                 entry.parts = ()  # (read already)
@@ -70,6 +75,8 @@ class KeptCheck:
         if inside and outer is not None:
             self._inside_births(inside, waiting, outer, first, strong)
         events = log.events
+        if overflowed_freed and outer is not None and len(events) == first:
+            self.replayer.birth(outer, first, fallback=False)
         if freed and outer is not None and not any(
                 e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
                 for e in events[first:]):
@@ -79,6 +86,17 @@ class KeptCheck:
             path = entry.paths[0]
             if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
                 checks.module_fallback(entry, first)
+
+    def _overflowed_inside(self, entry: Kept) -> bool:
+        """A finite half-precision output whose call's inputs reach the square root of the dtype's largest
+        number: an Inf may have been born inside and absorbed before the output (``x.pow(2)`` then ``rsqrt``:
+        0, finite and wrong). Its replay under the per-op watch finds it, as the always-on watch does."""
+        if entry.call is None or entry.meta[1] not in ops.HALF or self.checks.ctx.log.has_events():
+            return False
+        if entry.squares_risk is not None:
+            return entry.squares_risk
+        inputs = entry.live_inputs()
+        return inputs is not None and ops.squares_may_overflow(inputs)
 
     def _made_inside(self, entry: Kept, model_seq: int, arg_keys: Optional[set[Optional[int]]]) -> int:
         """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,

@@ -58,6 +58,9 @@ class Kept:
     # shape, dtype, device, numel of the output, as torch objects (named as text only for an event)
     meta: tuple[tuple[int, ...], Any, Any, int] = ((), None, None, 0)
     table: bool = True  # the module's output for the layer table (False: another output, births only)
+    # a finite float16/bfloat16 output: whether its inputs reached sqrt(finfo.max), read at exit on a CPU or
+    # for a no-grad call (whose inputs are gone by the check); None: read at the check
+    squares_risk: Optional[bool] = None
 
     def value(self) -> Optional[torch.Tensor]:
         """The output, or None when it was weakly kept and has been freed since."""

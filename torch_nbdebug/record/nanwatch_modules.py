@@ -78,6 +78,7 @@ class ModuleChecks:
         self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
         # module mode: module path -> the log's length when a submodule left it its non-finite inputs
         self.left_at: dict[str, int] = {}
+        self.saw_half = False  # replay: a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
         # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
@@ -310,21 +311,28 @@ class ModuleChecks:
 
     def _keep(self, t: torch.Tensor, module: torch.nn.Module, site: CallSite, table: bool = True) -> None:
         """Keep one output of a module call. A CPU output is read at once (reading a CPU scalar is no
-        synchronisation): a finite one keeps only what the table needs, a non-finite one what a replay
-        needs too. Another device's statistics are computed now, while the output is still in the cache
-        (not read: :meth:`check_kept` reads every entry's together). Our ops pass no dispatch mode."""
+        synchronisation): a finite one keeps only what the table needs (unless it is float16/bfloat16: see
+        KeptCheck), a non-finite one what a replay needs too. Another device's statistics are computed now,
+        while the output is still in the cache (not read: :meth:`check_kept` reads every entry's together).
+        Our ops pass no dispatch mode."""
         weak = not t.requires_grad  # no autograd keeps it: neither do we (inference, generation)
         kept, iteration = self.kept, self.ctx.clock.iteration
         assert kept is not None
         values = None
+        if t.dtype in ops.HALF:
+            self.saw_half = True
         with self.ctx.quiet() if compat.dispatch_stack_len() else _NOTHING:
             if t.is_cpu and READ_AT_EXIT:
                 values = stat_values(t)
-                if not _non_finite(values):
+                # (a half-precision call is kept whole: its inputs may have overflowed inside, see KeptCheck)
+                if not _non_finite(values) and t.dtype not in ops.HALF:
                     if table:
                         kept.read(t, site.path, module, iteration, values, weak)
                     return
             entry = kept.output(t, site.path, module, site.inputs(), site.place(), iteration, weak, table, values)
+            if t.dtype in ops.HALF and (weak or values is not None) and not _non_finite(values or [0.0] * 3):
+                # (read now while the inputs live: a no-grad call's are gone by the check; on a device, a sync)
+                entry.squares_risk = ops.squares_may_overflow(site.inputs())
         call = site.call()
         entry.call = call.weakened() if weak else call
 
@@ -439,6 +447,12 @@ class ModuleChecks:
             place = Place(None, path, None, None, "<module>")
             ctx.log.add(make_event("backward", f"gradient into {path}", place, (), out, kind=kind,
                                    iteration=iteration))
+
+
+HALF_UNWATCHED = ("float16/bfloat16 module calls ran without the per-op watch (replay): an Inf born inside a "
+                  "module and absorbed before its output (its output finite, but wrong) is looked for only where "
+                  "the module's inputs reach the square root of the dtype's largest number (256 in float16), "
+                  "where squares overflow; run with --no-replay (replay=False) to watch every op")
 
 
 _MAX_LEAVES = 16  # float tensors of one module output checked for births

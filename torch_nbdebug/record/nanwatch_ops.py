@@ -11,11 +11,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from torch_nbdebug.data.nanwatch import ROUNDS_TO_ZERO
 from torch_nbdebug.record.compat import op_arguments, tensor_version, tree_leaves
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
-# Cannot create a non-finite value from finite inputs (copies, selection, bounded maps, creation).
+# Cannot create a non-finite value from finite inputs (copies, selection, bounded maps, creation). (``neg`` can
+# turn a mask's -inf into +inf, a birth: it is checked.)
 _SAFE = frozenset("""
 detach alias clone contiguous cat stack split split_with_sizes chunk unbind
 narrow index index_select gather embedding eq ne lt gt le ge logical_and logical_or logical_not
@@ -23,7 +25,7 @@ logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor isnan isinf isfinite 
 zeros ones empty empty_like zeros_like ones_like new_zeros new_ones new_empty empty_strided
 new_empty_strided arange rand randn randint rand_like randn_like randint_like normal normal_ uniform_
 bernoulli bernoulli_ random_ relu relu_ threshold threshold_backward sigmoid sigmoid_ tanh tanh_
-gelu gelu_ silu silu_ hardtanh hardtanh_ hardsigmoid abs neg sign sgn max min amax amin argmax argmin
+gelu gelu_ silu silu_ hardtanh hardtanh_ hardsigmoid abs sign sgn max min amax amin argmax argmin
 aminmax sort topk flip roll repeat _unsafe_view t permute max_pool2d_with_indices max_pool1d
 max_pool2d max_pool3d_with_indices zero_ fill fill_ full full_like new_full scalar_tensor tril triu
 masked_select nonzero _local_scalar_dense set_ resize_ select_backward slice_backward
@@ -154,6 +156,35 @@ def has_nonfinite_scalar(args: Any, kwargs: Any) -> bool:
     for leaf in tree_leaves((args, kwargs)):
         if isinstance(leaf, float) and not math.isfinite(leaf):
             return True
+    return False
+
+
+_ROUNDS_TO_ZERO = {getattr(torch, name): value for name, value in ROUNDS_TO_ZERO.items()}
+
+
+def rounded_constant(args: tuple, kwargs: dict, dtype: torch.dtype) -> Optional[float]:
+    """A Python float among the arguments that ``dtype`` rounds to 0 (``clamp_min(1e-12)``, ``var + 1e-12`` in
+    float16): an eps that protects nothing. Called for half-precision outputs only."""
+    tiny = _ROUNDS_TO_ZERO.get(dtype, 0.0)
+    for value in (*args, *kwargs.values()):
+        if type(value) is float and 0.0 < abs(value) < tiny:
+            return value
+    return None
+
+
+_SQRT_MAX = {d: math.sqrt(torch.finfo(d).max) for d in HALF}
+
+
+def squares_may_overflow(inputs: Sequence[torch.Tensor]) -> bool:
+    """A half-precision input whose values reach the square root of its dtype's largest number (256 in
+    float16): a square or product of it inside the module (``x.pow(2)`` in a hand-written RMSNorm) overflows,
+    and an op after it (``rsqrt``) may turn the Inf into a finite, wrong value before the module returns."""
+    for x in inputs:
+        limit = _SQRT_MAX.get(x.dtype)
+        if limit is not None and x.numel():
+            lo, hi = torch.aminmax(x.detach())
+            if max(-float(lo), float(hi)) > limit:
+                return True
     return False
 
 

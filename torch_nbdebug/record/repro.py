@@ -42,6 +42,7 @@ class _Mode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         return self.recorder.on_op(func, args, kwargs or {})
 
 
@@ -151,6 +152,7 @@ class ReproRecorder:
 
     # -- one op --------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         info = op_info(func)
         if self.stopped or info.skip:
             return func(*args, **kwargs)
@@ -186,6 +188,7 @@ class ReproRecorder:
         scalars and output count are compared; its inputs are the gradients (compared as backward's
         outputs) and the restored state, its outputs are not read (see ``light`` in :meth:`on_op`).
         What the step writes is still saved first (copy-on-write) and forgotten afterwards."""
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         written: list[torch.Tensor] = []
         if info.writes:
             named = named_tensors(info, args, kwargs)
@@ -215,6 +218,7 @@ class ReproRecorder:
                named: list[tuple[str, torch.Tensor]]) -> Any:
         """Run an op that writes some of its arguments in place, state it writes saved first: moved
         when its first write can be computed out of place (repro_write), else copied (copy-on-write)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         if self._move is not None and self._movable is not None and info.twin is not None and \
                 write_out_of_place(info, args, kwargs, named, self._movable, self._move):
             return args[0] if info.returns_self else None

@@ -159,8 +159,8 @@ def _scalar_parts(value: Any, parts: list[Any]) -> None:
 
 
 def fingerprintable(t: torch.Tensor) -> bool:
-    """Tensors with readable data: not meta, fake, sparse or quantized."""
-    return t.layout == torch.strided and not t.is_meta and not t.is_quantized and not is_fake(t)
+    """Tensors with readable data in one block: not meta, fake, sparse, nested or quantized."""
+    return t.layout == torch.strided and not t.is_nested and not t.is_meta and not t.is_quantized and not is_fake(t)
 
 
 def _dense_flat(d: torch.Tensor) -> Optional[torch.Tensor]:

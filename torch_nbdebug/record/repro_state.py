@@ -2,7 +2,8 @@
 
 Tensors are saved copy-on-write: cloned just before the first op of run 1 that writes them
 (``before_write``), so a large dataset tensor the cell only reads costs nothing, and restored under
-``no_grad`` with the user's tensors keeping their identity. A parameter that alone owns its memory
+``no_grad`` with the user's tensors keeping their identity (sparse and jagged tensors, which have no
+plain storage, are known by the tensor object the writing op is handed). A parameter that alone owns its memory
 is not copied back: run 1 writes the clone and the parameter gets its own memory back; when run 1's
 first write of it is an optimizer's elementwise update, that write is computed out of place into new
 memory instead of cloning first (``movable``/``move``, see repro_write.py). A tensor only an
@@ -10,7 +11,8 @@ optimizer's state holds (Adam's moments) is restored by value, as ``load_state_d
 takes its place in the restored state. Other tensors are copied back with ``copy_``. Optimizers' other
 state, LR schedulers and gradient scalers are restored through copies of their state. Random generators
 (torch CPU and CUDA, NumPy, Python ``random`` and ``torch.Generator`` objects) are snapshotted too.
-Name bindings of a namespace are restored, so ``x = x + 1`` in the cell runs once from the same ``x``.
+Name bindings of a namespace are restored, so ``x = x + 1`` in the cell runs once from the same ``x``,
+and so is grad mode.
 """
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ from typing import Any, Iterable, Iterator, MutableMapping, Optional
 import torch
 from torch import nn
 
-from torch_nbdebug.data.repro import Fingerprint, Settings
-from torch_nbdebug.record.compat import storage_key, storage_use_count
+from torch_nbdebug.record.compat import is_fake, storage_key, storage_use_count
+from torch_nbdebug.record.interrupts import deferred_interrupts, no_grad_held
 from torch_nbdebug.record.source import inspectable
-from torch_nbdebug.record.repro_ops import fingerprint_tensor, fingerprintable, read_fingerprints
 
 _MISSING = object()
 
@@ -43,10 +44,10 @@ def _is_scaler(value: Any) -> bool:
 def is_state(value: Any) -> bool:
     """Whether ``value`` is something a run can change that the snapshot knows how to restore."""
     return isinstance(value, (nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Generator)) or \
-        _is_scheduler(value) or _is_scaler(value) or _is_loader(value)
+        _is_scheduler(value) or _is_scaler(value) or is_loader(value)
 
 
-def _is_loader(value: Any) -> bool:
+def is_loader(value: Any) -> bool:
     return isinstance(value, torch.utils.data.DataLoader)
 
 
@@ -81,13 +82,16 @@ def _state_at(name: str, value: Any) -> list[tuple[str, Any]]:
 
 
 def _restorable(value: Any) -> bool:
-    """State found in the namespace that a snapshot can copy: tensors only when plain and strided
-    (type() first: a tensor subclass's own ``__torch_function__`` may raise on any attribute)."""
+    """State found in the namespace that a snapshot can copy: tensors with data (strided, sparse or
+    nested; subclasses too, unless they dispatch on their own like FakeTensor or DTensor: a jagged
+    nested tensor does, and is copied as one). A tensor subclass whose ``__torch_function__`` raises
+    on the attributes read here makes ``state_in`` skip it."""
     if not inspectable(value) or not is_state(value):
         return False
     if isinstance(value, torch.Tensor):
-        return type(value) in (torch.Tensor, nn.Parameter) and value.layout == torch.strided \
-            and not value.is_nested and value.device.type != "meta"
+        own_dispatch = type(value).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+        return not (own_dispatch and not value.is_nested) and value.device.type != "meta" and \
+            not value.is_quantized and not is_fake(value)
     return True
 
 
@@ -141,7 +145,7 @@ class StateSnapshot:
         self._structures: list[tuple[Any, Any]] = []  # (optimizer, (state, param_groups)) without tensor copies
         self._dicts: list[tuple[Any, Any]] = []       # LR schedulers: their state_dict
         self._objects: list[tuple[Any, Any]] = []     # GradScalers: their attributes
-        self._cow: dict[int, list[torch.Tensor]] = {}  # storage key -> tensors not yet saved
+        self._cow: dict[Any, list[torch.Tensor]] = {}  # _cow_key -> tensors not yet saved
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Parameters run 1 wrote on a copy of their storage: (tensor, an alias of its own storage).
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -151,6 +155,7 @@ class StateSnapshot:
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._bindings = dict(namespace) if namespace is not None else None
         self._namespace = namespace
+        self._grad_enabled = torch.is_grad_enabled()  # a cell that turns autograd off runs twice with it on
         generators: list[torch.Generator] = []
         for name, value in sorted(named, key=_order):
             self._add(name, value, generators)
@@ -164,7 +169,7 @@ class StateSnapshot:
             self._add_tensor(name, value)
         elif isinstance(value, torch.Generator):
             generators.append(value)
-        elif _is_loader(value):
+        elif is_loader(value):
             if value.generator is not None:
                 generators.append(value.generator)
             return
@@ -223,9 +228,7 @@ class StateSnapshot:
         self._objects.append((scaler, saved))
 
     def _watch(self, tensor: torch.Tensor) -> None:
-        key = storage_key(tensor)
-        if key is not None:
-            self._cow.setdefault(key, []).append(tensor)
+        self._cow.setdefault(_cow_key(tensor), []).append(tensor)
 
     # -- copy-on-write -------------------------------------------------------------------------
     @property
@@ -234,9 +237,9 @@ class StateSnapshot:
 
     def before_write(self, tensor: torch.Tensor) -> None:
         """Called by the recorder before an op writes ``tensor``: save the tensors sharing its storage."""
-        tensors = self._cow.pop(storage_key(tensor), None)  # type: ignore[arg-type]
+        tensors = self._cow.pop(_cow_key(tensor), None)
         if tensors:
-            with torch.no_grad():
+            with no_grad_held():
                 if len(tensors) == 1 and id(tensors[0]) in self._optimizer_only:
                     self._replaced[id(tensors[0])] = (tensors[0], tensors[0].detach().clone())
                 elif len(tensors) == 1 and _movable(tensors[0]):
@@ -250,7 +253,7 @@ class StateSnapshot:
     def movable(self, tensor: torch.Tensor) -> bool:
         """Whether run 1's first write of ``tensor`` may go to new memory the tensor then takes (see
         :meth:`move`): a parameter alone on its memory (``_movable``), not saved yet."""
-        tensors = self._cow.get(storage_key(tensor))  # type: ignore[arg-type]
+        tensors = self._cow.get(_cow_key(tensor))
         return tensors is not None and len(tensors) == 1 and tensors[0] is tensor and \
             id(tensor) not in self._optimizer_only and _movable(tensor)
 
@@ -261,13 +264,13 @@ class StateSnapshot:
         Optimizer moments are copied instead: moving them would leave the state in the memory it had
         and free run 1's, which glibc then returns to the system (the next run faults it in again);
         their copies take their place in the restored state and the old memory is reused."""
-        self._cow.pop(storage_key(tensor), None)  # type: ignore[arg-type]
+        self._cow.pop(_cow_key(tensor), None)
         self._moved.append((tensor, tensor.detach()))
         tensor.set_(new)
 
     def pristine(self, tensor: torch.Tensor) -> bool:
         """Whether no op has written ``tensor`` yet (its copy-on-write copy is still to be taken)."""
-        return storage_key(tensor) in self._cow
+        return _cow_key(tensor) in self._cow
 
     def unwritten(self) -> list[tuple[str, Any]]:
         """State tensors no op of the first run wrote: a change to them came from outside torch's ops
@@ -277,8 +280,14 @@ class StateSnapshot:
 
     # -- restoring -----------------------------------------------------------------------------
     def restore(self) -> None:
-        """Put everything back as it was when the snapshot was taken (call once)."""
-        with torch.no_grad():
+        """Put everything back as it was when the snapshot was taken (call once). A Stop meanwhile is
+        raised once all of it is back (not with the parameters restored and the optimizer not)."""
+        with deferred_interrupts():
+            self._restore()
+
+    def _restore(self) -> None:
+        torch.set_grad_enabled(self._grad_enabled)
+        with no_grad_held():
             for live, saved in self._saved:
                 live.copy_(saved)
             for live, own in self._moved:
@@ -318,7 +327,7 @@ class StateSnapshot:
                     if found is not None and found[0] is value:
                         entries[key] = found[1]
                         self.labels[id(found[1])] = self.labels.get(id(value), "optimizer state")
-        with torch.no_grad():
+        with no_grad_held():
             for live, saved in left.values():
                 live.copy_(saved)
 
@@ -338,6 +347,14 @@ class StateSnapshot:
         self._cow, self._saved, self._moved, self._bindings, self._namespace = {}, [], [], None, None
         self._optimizer_only, self._replaced = set(), {}
         self.rng = None
+
+
+def _cow_key(t: torch.Tensor) -> Any:
+    """What an op writing ``t`` is known by: its storage (shared by its views), or for a tensor with no
+    plain storage (sparse, a jagged nested tensor) the tensor object itself, which the recorder's
+    dispatch mode is handed as it is."""
+    key = storage_key(t)
+    return key if key is not None else ("tensor", id(t))
 
 
 def _movable(t: torch.Tensor) -> bool:
@@ -374,39 +391,3 @@ def _tensors_in(value: Any) -> Iterator[Any]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
-
-
-def loaders_without_seed(named: Iterable[tuple[str, Any]]) -> tuple[str, ...]:
-    """DataLoaders with worker processes whose randomness no seed controls."""
-    return tuple(name for name, value in named if _is_loader(value) and value.num_workers > 0
-                 and value.generator is None and value.worker_init_fn is None)
-
-
-def read_settings(named: Iterable[tuple[str, Any]], cuda_used: bool) -> Settings:
-    """The global switches that decide whether a run can repeat (read, never changed)."""
-    import os
-
-    return Settings(
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-        deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-        cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        matmul_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
-        cudnn_tf32=bool(torch.backends.cudnn.allow_tf32),
-        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-        cuda_used=cuda_used,
-        loaders=loaders_without_seed(named),
-    )
-
-
-def end_state(watched: Iterable[tuple[str, Any]]) -> dict[str, Fingerprint]:
-    """Fingerprints of the given state tensors as a run left them."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for name, ref in watched:
-        t = ref()
-        if isinstance(t, torch.Tensor) and fingerprintable(t):
-            tensors.append((name, t))
-    with torch.no_grad():
-        values = read_fingerprints([fingerprint_tensor(t) for _, t in tensors])
-    return {name: Fingerprint(tuple(t.shape), str(t.dtype).replace("torch.", ""), *v)
-            for (name, t), v in zip(tensors, values)}

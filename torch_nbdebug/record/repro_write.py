@@ -25,6 +25,7 @@ def write_out_of_place(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
     when the op has no twin, a tensor cannot be moved, a list op reads a tensor it writes elsewhere
     in the list (in place, a later element would read the new value), or a result differs in dtype
     or layout (type promotion): then the in-place op runs as usual."""
+    __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
     written = [t for n, t in named if n.split("[")[0] == "self"]
     if info.twin is None or not written or len({id(t) for t in written}) != len(written):
         return False

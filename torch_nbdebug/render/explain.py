@@ -59,6 +59,8 @@ def diagnosis_text(d: Diagnosis) -> str:
         lines.append("  restart the kernel: the CUDA context is unusable after a device-side assert")
     if d.suggest_record:
         lines.append("  run the cell again with %%explain on its first line to name the culprit")
+    if d.note:
+        lines.append(f"  {'note':>8}: {d.note}")
     return "\n".join(lines)
 
 
@@ -96,6 +98,8 @@ def diagnosis_html(d: Diagnosis) -> str:
         notes.append("Restart the kernel: the CUDA context is unusable after a device-side assert.")
     if d.suggest_record:
         notes.append("Run the cell again with `%%explain` on its first line to name the culprit.")
+    if d.note:
+        notes.append(d.note)
     note_html = "".join(f'<div class="tnd-explain-note" style="margin-top:6px">{_code(n)}</div>' for n in notes)
     return (f'<div class="tnd-explain tnd-explain-{esc(d.kind)}" data-kind="{esc(d.kind)}" style="{_CARD}">'
             f'<div class="tnd-explain-title" style="font-weight:700;color:{_BORDER};margin-bottom:4px">'
@@ -144,6 +148,7 @@ class DiagnosisPayload(TypedDict):
     recorded: bool
     suggest_record: bool
     restart_needed: bool
+    note: str  # Diagnosis.note: how the recorded run differed from a plain one
     text: str  # diagnosis_text(): what the copy button puts on the clipboard
 
 
@@ -160,7 +165,7 @@ def payload(d: Diagnosis) -> DiagnosisPayload:
         culprit_op=d.culprit_op, culprit_module=d.culprit_module, culprit_filename=d.culprit_filename,
         culprit_lineno=int(d.culprit_lineno), culprit_line=d.culprit_line, hint=d.hint, warning=d.warning,
         operands=[_operand_payload(o) for o in d.operands], recorded=bool(d.recorded),
-        suggest_record=bool(d.suggest_record), restart_needed=bool(d.restart_needed), text=diagnosis_text(d))
+        suggest_record=bool(d.suggest_record), restart_needed=bool(d.restart_needed), note=d.note, text=diagnosis_text(d))
 
 
 # Only what base.css has no rule for; colours come from JupyterLab's theme variables (dark themes too).

@@ -55,6 +55,7 @@ function notes(d) {
   if (d.warning) out.push(h("div", { class: "xp-warning tnd-explain-warning", role: "note" }, h("b", { class: "warn" }, "Careful: "), rich(d.warning)));
   if (d.restart_needed) out.push(h("div", { class: "xp-note warn" }, "Restart the kernel: the CUDA context is unusable after a device-side assert."));
   if (d.suggest_record) out.push(h("div", { class: "xp-note muted" }, rich("Run the cell again with `%%explain` on its first line to name the culprit.")));
+  if (d.note) out.push(h("div", { class: "xp-note muted" }, rich(d.note)));
   return out;
 }
 
