@@ -11,8 +11,9 @@ from IPython.display import display
 
 from torch_nbdebug.api.profile import profile
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, keep_report, parse_args, show_last, tensorboard_dir, unquote, \
-    usage_errors
+from torch_nbdebug.magics._common import CellBody, keep_report, live_view, parse_args, show_last, tensorboard_dir, \
+    unquote, usage_errors
+from torch_nbdebug.magics._live import ProfileProgress
 
 
 @magics_class
@@ -65,17 +66,19 @@ class ProfileMagics(Magics):
         except InputError as exc:
             raise usage_errors(exc) from None
         failed = True
-        try:
-            with contextlib.ExitStack() as scope:
-                try:
-                    scope.enter_context(prof)
-                except InputError as exc:  # e.g. another torch.profiler is running: before the cell runs
-                    raise usage_errors(exc) from None
-                value = body.run()
-            failed = False
-        finally:
-            if prof._data is not None:
-                keep_report(self.shell, "_profile", prof, args, failed, display)
+        with live_view(self.shell, "%%profile", ProfileProgress(prof), display,
+                       enabled=not (args.quiet or args.return_report)) as live:
+            try:
+                with contextlib.ExitStack() as scope:
+                    try:
+                        scope.enter_context(prof)
+                    except InputError as exc:  # e.g. another torch.profiler is running: before the cell runs
+                        raise usage_errors(exc) from None
+                    value = body.run()
+                failed = False
+            finally:
+                if prof._data is not None:  # the report replaces the live view
+                    keep_report(self.shell, "_profile", prof, args, failed, live.show)
         if trace is not None:
             print(f"trace written to {trace}: open it at https://ui.perfetto.dev")
         if value is not None:

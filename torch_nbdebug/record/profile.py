@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch.autograd.profiler import record_function
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.data.profile import Capture, Event, Pattern, Sample, Status
 from torch_nbdebug.errors import InputError
@@ -111,16 +111,29 @@ class ProfileRecorder:
         self._clock_opt: Optional[weakref.ref[Any]] = None
         self._marks: list[int] = []        # perf_counter_ns at each clock step's end
         self._stepped = 0
+        self._started = 0
         self._stop_due = False
         self._running = False
         self._offset_ns = 0                # perf_counter_ns minus the profiler's clock (in ns)
         self._start_ns = self._end_ns = 0
+
+    @property
+    def stepped(self) -> int:
+        """Optimizer steps of the clock optimizer so far, the one running included (the live view reads it
+        from its own step hook, which may run before ours)."""
+        return self._started
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the profiler still runs (it stops after ``warmup + steps`` steps)."""
+        return self._running and not self._stop_due
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "ProfileRecorder":
         try:
             with deferred_interrupts():
                 self._start_profiler()
+                self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
                 self._handles.append(register_optimizer_step_post_hook(self._post_step))
                 self._ranges = ModuleRanges(self._namespace, self._at_top)
                 self._ranges.install()
@@ -192,10 +205,18 @@ class ProfileRecorder:
         if self._stop_due and self._running:
             self._stop_profiler()
 
-    def _post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def _is_clock(self, opt: Any) -> bool:
+        """The first optimizer that steps is the clock: its steps are the profiled steps."""
         if self._clock_opt is None:
             self._clock_opt = weakref.ref(opt)  # no callback: see record/interrupts.py
-        if self._clock_opt() is not opt:
+        return self._clock_opt() is opt
+
+    def _pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._is_clock(opt):
+            self._started += 1
+
+    def _post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if not self._is_clock(opt):
             return
         self._stepped += 1
         if self._running:
