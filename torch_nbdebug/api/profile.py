@@ -244,7 +244,7 @@ def profile(namespace: Optional[Mapping[str, Any]] = None, *, steps: Optional[in
         from torch_nbdebug.api.tensorboard import require_tensorboard
 
         require_tensorboard()
-    names = namespace if namespace is not None else caller_namespace()
+    names = caller_namespace(namespace)  # counts what cannot be inspected; released when the block ends
     recorder = ProfileRecorder(names, steps=steps, warmup=warmup, interval=float(interval),
                                keep_trace=bool(keep_trace) or trace is not None or tensorboard is not None,
                                tidy=bool(tidy))

@@ -39,7 +39,7 @@ from torch_nbdebug.record import compat
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleNamer
 from torch_nbdebug.record.profile_sampler import LineSampler
-from torch_nbdebug.record.source import line_of
+from torch_nbdebug.record.source import line_of, skipped_note
 
 MODULE_PREFIX = "module: "
 _CLOCK = "torch_nbdebug: clock"
@@ -194,8 +194,12 @@ class ProfileRecorder:
                 self._release()
 
     def _release(self) -> None:
-        """Drop the namespace (a twin's is the caller's frame: it would keep its locals alive)."""
+        """Drop the namespace (a twin's is the caller's frame: it would keep its locals alive), saying
+        first what in it could not be inspected while naming modules."""
         namespace, self._namespace = self._namespace, None
+        skipped = getattr(namespace, "skipped", ())
+        if skipped:
+            self.notes.append(skipped_note(skipped))
         release = getattr(namespace, "release", None)
         if callable(release):
             release()
