@@ -161,20 +161,26 @@ def test_the_categories_of_each_step_add_up_to_the_step_and_modules_are_named_li
     assert all(0 <= r.share <= 1.0 + 1e-9 for r in prof.by_line)
 
 
-def test_steps_without_an_optimizer_are_the_dataloader_batches_else_the_whole_block() -> None:
+def test_steps_without_an_optimizer_are_the_dataloader_batches_else_the_whole_block(monkeypatch: Any) -> None:
     loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=12)
     model = small_model()
     with nb.profile(warmup=1) as prof:
         for x, _ in loader:
             model(x)
     assert prof.data.step_source == "dataloader" and len(prof.breakdown) == 3  # 4 batches, 1 warm-up
+    from torch_nbdebug.record.profile_sampler import LineSampler
+
+    start = LineSampler.start
+
+    def slow_start(self: Any) -> None:  # a tool that takes long to set up (finding libc took ms)
+        time.sleep(0.1)
+        start(self)
+
+    monkeypatch.setattr(LineSampler, "start", slow_start)
     with nb.profile() as whole:
-        began = time.perf_counter()
         model(torch.randn(4, 16)).sum().backward()
-        took = time.perf_counter() - began
     assert whole.data.step_source == "cell" and len(whole.breakdown) == 1
-    # the step is the block's code, not the tool's setting up and taking down (5 ms of it, before)
-    assert whole.breakdown[0].ms < took * 1000 + 2.0
+    assert whole.breakdown[0].ms < 100  # the step is the block's code, not the tool's setting up
 
 
 def test_stop_keeps_what_was_profiled_and_the_users_exception_comes_through_unchanged() -> None:

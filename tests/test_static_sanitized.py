@@ -133,7 +133,7 @@ VIEWS: dict[str, tuple[Any, tuple[str, ...], int]] = {
     "grads": (_grads, ("Gradient flow", "Linear", "deep.0", "‖Δw‖/‖w‖", ".grad values"), 4),
     "repro": (_repro, ("repro:", "randn"), 0),
     "explain": (_explain, ("Shape mismatch", "fc", "3072"), 0),
-    "profile": (_profile, ("Verdict:", "Fix:", "Time per step", "Top lines", "Top modules", "deep.0"), 1),
+    "profile": (_profile, ("Verdict:", "Fix:", "Time per step", "Top lines", "Top modules", "deep"), 1),
 }
 
 
