@@ -67,7 +67,7 @@ def compiled() -> Iterator[tuple[Net, Any]]:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("watch", ["nanwatch", "nanwatch-module", "memory_timeline", "explain", "repro"])
+@pytest.mark.parametrize("watch", ["nanwatch", "nanwatch-module", "memory_timeline", "explain", "repro", "profile"])
 def test_a_compiled_model_called_inside_a_watch_gives_no_warning_about_the_watchs_own_hooks(
         compiled: tuple[Net, Any], watch: str) -> None:
     """Torch warns at every call of a ``torch.compile`` wrapper while global module hooks exist (they fire an
@@ -76,7 +76,7 @@ def test_a_compiled_model_called_inside_a_watch_gives_no_warning_about_the_watch
     _, model = compiled
     before = list(warnings.filters)
     blocks = {"nanwatch": nb.nanwatch, "nanwatch-module": lambda: nb.nanwatch(mode="module"),
-              "memory_timeline": nb.memory_timeline, "explain": nb.explain}
+              "memory_timeline": nb.memory_timeline, "explain": nb.explain, "profile": nb.profile}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         if watch == "repro":
@@ -101,6 +101,19 @@ def test_op_nanwatch_sees_compiled_code_eagerly_and_leaves_it_compiled(compiled:
     notes = [n for n in report.notes if "torch.compile" in n]
     assert len(notes) == 1 and "(model) ran eagerly while nanwatch checked each of its ops" in notes[0]
     assert report.summary.ops_seen > 0
+
+
+def test_profile_runs_compiled_code_compiled_and_leaves_it_compiled(compiled: tuple[Net, Any]) -> None:
+    """The profiler must measure the model the user runs: the compiled one, not an eager stand-in. Its
+    module ranges do nothing inside compiled code, so the wrapper is one range (``model``)."""
+    _, model = compiled
+    assert_still_compiled(model)
+    with nb.profile() as prof:
+        y = model(torch.randn(3, 4))
+        assert kind(y) == COMPILED and stance() == "default"
+        y.sum().backward()
+    assert "model" in {m.path for m in prof.by_module}
+    assert_still_compiled(model)
 
 
 def test_another_model_of_the_same_class_compiles_after_a_watch(compiled: tuple[Net, Any]) -> None:

@@ -262,7 +262,7 @@ def hostile(ipython: Any) -> Iterator[Any]:
     ipython.run_cell(SETUP)
     ipython.user_ns.update(objects)
     yield ipython
-    for name in list(objects) + ["model", "x", "out", "loss", "_nanwatch"]:
+    for name in list(objects) + ["model", "x", "out", "loss", "_nanwatch", "_profile"]:
         ipython.user_ns.pop(name, None)
     objects.clear()  # the ipython fixture collects the garbage
 
@@ -285,6 +285,7 @@ def _assert_skipped_note(text: str) -> None:
     ("grads", "model", BODY, "model.0"),
     ("cudamem", "", BODY, "memory timeline"),
     ("repro", "", BODY, "the two runs are identical"),
+    ("profile", "", BODY, "%%profile: the cell as one step"),
 ])
 def test_cell_magics_survive_hostile_namespace(hostile: Any, magic: str, line: str, body: str, expect: str) -> None:
     with capture_output() as cap:

@@ -1,4 +1,4 @@
-"""Live views of %%nanwatch, %%grads and %%cudamem through a real IPython shell.
+"""Live views of %%nanwatch, %%grads, %%cudamem and %%profile through a real IPython shell.
 
 The tests' shell is a terminal shell: first that it shows exactly what it showed before (no live view),
 then, with the front-end check answering yes, what a notebook gets: the live view at once, updates
@@ -38,6 +38,7 @@ CELLS = {
     "nanwatch": "%%nanwatch\n",
     "grads": "%%grads model\n",
     "cudamem": "%%cudamem --no-lines\n",
+    "profile": "%%profile --steps 4\n",
 }
 
 
@@ -71,7 +72,7 @@ def shell(ipython: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     ipython.snapshots = snapshots
     yield ipython
     del ipython.snapshots
-    for name in ("model", "opt", "x", "loss", "i", "_nanwatch"):
+    for name in ("model", "opt", "x", "loss", "i", "_nanwatch", "_profile"):
         ipython.user_ns.pop(name, None)
     gc.collect()
 
@@ -119,6 +120,11 @@ def test_live_view_updates_while_running_then_the_report_replaces_it(
         assert [s["name"] for s in lines["series"]] == ["whole model", "model.0", "model.2"]
         assert lines["series"][0]["y"][3] is None  # the non-finite gradient of iteration 3 is a gap
         assert last["data"]["text/plain"].startswith("gradients of model")
+    elif magic == "profile":
+        statuses = [s["status"] for s in shell.snapshots]
+        assert any(s.startswith("profiling: ") for s in statuses)  # during the profiled steps
+        assert "profiling done" in statuses[-1] and statuses[-1].startswith("8 optimizer steps")  # 1 + 4, then on
+        assert last["data"]["text/plain"] == shell.user_ns["_profile"].text()
     else:
         stack = final["panels"][0]
         by_name = {s["name"]: s["y"] for s in stack["series"]}
@@ -155,6 +161,8 @@ def test_a_stopped_cell_stops_and_shows_what_was_recorded(
         assert "6 of 6 optimizer steps" in text
     elif magic == "nanwatch":
         assert text == shell.user_ns["_nanwatch"].text() and shell.user_ns["_nanwatch"].events
+    elif magic == "profile":
+        assert text.startswith("%%profile") and "stopped" in text and shell.user_ns["_profile"].breakdown
     else:
         assert text.startswith("memory")
 
@@ -174,7 +182,7 @@ def test_a_stop_landing_in_a_live_update_stops_the_cell(shell: Any, monkeypatch:
 
 
 @pytest.mark.parametrize("cell", ["%%nanwatch -q\n", "%%nanwatch -o\n", "%%grads model -o\n",
-                                  "%%cudamem -o --no-lines\n"])
+                                  "%%cudamem -o --no-lines\n", "%%profile -o\n", "%%profile -q\n"])
 def test_no_live_view_when_the_report_is_not_shown(shell: Any, cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
     notebook(monkeypatch, shell)
     assert shell.run_cell(cell + LOOP.format(tail="")).success

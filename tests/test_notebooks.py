@@ -26,7 +26,7 @@ NOTEBOOKS = ROOT / "notebooks"
 EXPECTED = [
     "00_tour", "01_reading_errors", "02_hunting_nans", "03_seeing_the_graph",
     "04_watching_gradients", "05_memory", "06_reproducibility_numerics", "07_code_that_debugs_itself",
-    "08_monitoring_training",
+    "08_monitoring_training", "09_finding_slow_steps",
 ]
 TIMEOUT_S = 300          # per cell; a whole notebook is meant to take well under a minute
 NOTEBOOK_TIMEOUT_S = 480  # per notebook, kernel start included (CI shares two cores)

@@ -26,6 +26,7 @@ PROMISED = {
     ("line", "explain"), ("cell", "explain"),
     ("cell", "repro"),
     ("cell", "monitor"),
+    ("line", "profile"), ("cell", "profile"),
 }
 
 
@@ -65,7 +66,7 @@ def _registered(ip: Any, kind: str, name: str) -> bool:
 
 
 def test_every_feature_declares_magics() -> None:
-    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory", "explain", "repro", "monitor"}
+    assert set(_FEATURES) == {"nanwatch", "graph", "grads", "memory", "explain", "repro", "monitor", "profile"}
     for feature, cls in _magics_classes().items():
         assert any(cls.magics[kind] for kind in ("line", "cell")), f"{feature}.MAGICS declares no magic"
     missing = PROMISED - _declared()

@@ -102,6 +102,19 @@ def _repro() -> Any:
     return repro(lambda: torch.randn(4) * 2, restore_rng=False)
 
 
+def _profile() -> Any:
+    from torch_nbdebug import profile
+
+    deep = _deep()
+    opt = torch.optim.SGD(deep.parameters(), lr=0.05)
+    with profile({"deep": deep}, steps=3) as prof:
+        for _ in range(4):
+            opt.zero_grad()
+            F.mse_loss(deep(torch.randn(32, 16)), torch.randn(32, 2)).backward()
+            opt.step()
+    return prof
+
+
 def _explain() -> Any:
     fc = nn.Linear(3072, 10)
     try:
@@ -120,6 +133,7 @@ VIEWS: dict[str, tuple[Any, tuple[str, ...], int]] = {
     "grads": (_grads, ("Gradient flow", "Linear", "deep.0", "‖Δw‖/‖w‖", ".grad values"), 4),
     "repro": (_repro, ("repro:", "randn"), 0),
     "explain": (_explain, ("Shape mismatch", "fc", "3072"), 0),
+    "profile": (_profile, ("Verdict:", "Fix:", "Time per step", "Top lines", "Top modules", "deep"), 1),
 }
 
 

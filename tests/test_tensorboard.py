@@ -275,3 +275,25 @@ def test_monitor_and_grads_number_the_same_loops_steps_alike(tmp_path: Path) -> 
         assert [s for s, _ in scalars(grads_events, f"grad_norm/{layer}")] == loop_steps
     assert monitored.history.to_dict()["step"] == loop_steps
     assert json.loads(traced.trace.to_json())["steps"] == loop_steps
+
+
+def test_profile_time_by_category_per_step_the_verdict_and_the_trace(tmp_path: Path) -> None:
+    from torch_nbdebug.api.profile import profile
+
+    net, opt, _ = train(1)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    with profile({"net": net}, steps=3, tensorboard=tmp_path) as prof:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    events = read(tmp_path)
+    steps = scalars(events, "profile/step_ms")
+    assert [s for s, _ in steps] == [1, 2, 3]  # the loop's own step numbers; 0 is warm-up
+    assert [v for _, v in steps] == pytest.approx([s.ms for s in prof.breakdown])
+    per_category = [scalars(events, f"profile/{c}_ms") for c in ("data", "forward", "backward", "optimizer", "sync",
+                                                                  "python")]
+    assert [sum(values) for values in zip(*[[v for _, v in c] for c in per_category])] == \
+        pytest.approx([v for _, v in steps])
+    assert prof.verdict.kind in text(events, "profile/verdict")
+    assert list(tmp_path.glob("*.pt.trace.json"))  # the trace, where TensorBoard's profile readers look

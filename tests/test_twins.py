@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_nbdebug import graph, grads, memory_state, memory_timeline, nanwatch, record_gradients, record_graph
+from torch_nbdebug import (graph, grads, memory_state, memory_timeline, nanwatch, profile, record_gradients,
+                           record_graph)
 from torch_nbdebug.record.modules import ModuleNamer, module_roots, parameter_names, qualified_names
 from torch_nbdebug.record.source import UserNamespace, caller_namespace, frame_locals
 
@@ -127,6 +128,16 @@ def test_nanwatch_in_a_function_names_a_model_made_inside_the_block() -> None:
 
 
 # -- graph / record_graph ------------------------------------------------------------------------
+def test_profile_in_a_function_names_local_modules() -> None:
+    def fit() -> Any:
+        local_net = _net()
+        with profile() as prof:
+            local_net(torch.randn(2, 4)).sum().backward()
+        return prof
+
+    assert {"local_net", "local_net.0", "local_net.2"} <= {m.path for m in fit().by_module}
+
+
 def test_graph_in_a_function_names_local_parameters_and_inputs() -> None:
     def draw() -> Any:
         net = _net()
@@ -196,6 +207,9 @@ def _tool_runs(tool: str) -> tuple[Any, list[weakref.ref[torch.Tensor]]]:
     elif tool == "memory_timeline":
         with memory_timeline(device="cpu") as result:
             net(torch.randn(2, 4)).sum()
+    elif tool in ("profile", "profile-kept"):
+        with profile(keep_trace=tool == "profile-kept") as result:
+            net(torch.randn(2, 4)).sum()
     else:
         result = memory_state(device="cpu")
     del doomed
@@ -205,7 +219,8 @@ def _tool_runs(tool: str) -> tuple[Any, list[weakref.ref[torch.Tensor]]]:
     return result, refs
 
 
-TOOLS = ["nanwatch", "record_graph", "graph", "record_gradients", "grads", "memory_timeline", "memory_state"]
+TOOLS = ["nanwatch", "record_graph", "graph", "record_gradients", "grads", "memory_timeline", "memory_state",
+         "profile", "profile-kept"]
 
 
 @pytest.mark.parametrize("tool", TOOLS)

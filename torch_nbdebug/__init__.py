@@ -9,6 +9,7 @@ In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
 - ``repro(fn, state=(model, opt))`` — run twice from one state; the first op that differs, and why (``%%repro``)
 - ``with explain() as ex:`` / ``explain_exception(exc)`` — where and why a PyTorch error happened (``%explain``)
 - ``with monitor("loss") as mon:`` — values and per-layer gradients at every optimizer step, live (``%%monitor``)
+- ``with profile() as prof:`` — why a training step is slow: a verdict, the line and the module (``%%profile``)
 - ``to_tensorboard(result, logdir)`` — write a monitor, gradient trace, memory timeline or nanwatch report for TensorBoard
 
 Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
@@ -49,6 +50,8 @@ _EXPORTS = {
     "Monitor": "torch_nbdebug.api.monitor",
     "MonitorHistory": "torch_nbdebug.api.monitor",
     "MonitorRules": "torch_nbdebug.api.monitor",
+    "profile": "torch_nbdebug.api.profile",
+    "Profile": "torch_nbdebug.api.profile",
     "to_tensorboard": "torch_nbdebug.api.tensorboard",
 }
 

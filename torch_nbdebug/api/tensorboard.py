@@ -10,7 +10,8 @@ reads event files, shows the same run:
   per step, and per-parameter histograms at the steps that kept one;
 - a memory timeline (``%%cudamem`` / ``memory_timeline``): bytes by category over time (thinned
   to at most 2,000 points), and the peak as text;
-- a nanwatch report (``%%nanwatch`` / ``nanwatch``): the births as a text table.
+- a nanwatch report (``%%nanwatch`` / ``nanwatch``): the births as a text table;
+- a profile (``%%profile`` / ``profile``): time by category per step, and the verdict as text.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from torch_nbdebug.data.memory import CATEGORIES
 from torch_nbdebug.data.memory import MemoryTimeline as TimelineData
 from torch_nbdebug.data.monitor import MonitorHistory, Rules
 from torch_nbdebug.data.nanwatch import NanSummary
+from torch_nbdebug.data.profile import CATEGORIES as PROFILE_CATEGORIES
+from torch_nbdebug.data.profile import ProfileData
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.grads import layer_arrays
 from torch_nbdebug.process.monitor import alerts as find_alerts
@@ -87,14 +90,14 @@ def to_tensorboard(result: Any, logdir: Union[str, "os.PathLike[str]"], *, rules
     return str(logdir)
 
 
-_KINDS = (MonitorHistory, GradTrace, TimelineData, NanSummary)
+_KINDS = (MonitorHistory, GradTrace, TimelineData, NanSummary, ProfileData)
 
 
 def _data_of(result: Any) -> Any:
     """The plain data behind a result object (a report wraps its data)."""
     if isinstance(result, _KINDS):
         return result
-    for attr in ("history", "trace", "summary"):
+    for attr in ("history", "trace", "summary", "data"):
         try:
             inner = getattr(result, attr)  # an InputError (not started, still running) says what to do
         except AttributeError:
@@ -109,11 +112,12 @@ def _data_of(result: Any) -> Any:
 def _writer_for(result: Any) -> Any:
     data = _data_of(result)
     for kind, write in ((MonitorHistory, write_history), (GradTrace, write_grads), (TimelineData, write_memory),
-                        (NanSummary, write_nanwatch)):
+                        (NanSummary, write_nanwatch), (ProfileData, write_profile)):
         if isinstance(data, kind):
             return write
     raise InputError(f"to_tensorboard writes a monitor, a gradient trace (record_gradients / %%grads), a memory "
-                     f"timeline (memory_timeline / %%cudamem) or a nanwatch report; got {type(result).__name__}")
+                     f"timeline (memory_timeline / %%cudamem), a nanwatch report or a profile (%%profile); got "
+                     f"{type(result).__name__}")
 
 
 def write_history(writer: Any, history: MonitorHistory, rules: Rules = Rules()) -> None:
@@ -183,3 +187,16 @@ def write_nanwatch(writer: Any, summary: NanSummary, rules: Rules = Rules()) -> 
     text = "\n".join(rows) if summary.events else "no NaN or Inf was born"
     writer.add_text("nanwatch/births", text, 0)
     writer.add_scalar("nanwatch/births", len(summary.events), 0)
+
+
+def write_profile(writer: Any, data: ProfileData, rules: Rules = Rules()) -> None:
+    """Per profiled step: its time and its time by category (ms); the verdict as text."""
+    for step in data.steps:
+        writer.add_scalar("profile/step_ms", step.ms, step.number)
+        for category in PROFILE_CATEGORIES:
+            writer.add_scalar(f"profile/{category}_ms", step.categories.get(category, 0.0), step.number)
+        if step.device_idle_ms is not None:
+            writer.add_scalar("profile/device_idle_ms", step.device_idle_ms, step.number)
+    v = data.verdict
+    writer.add_text("profile/verdict", f"**{v.kind}** ({v.share:.0%} of the step): {v.summary}\n\nfix: {v.fix}",
+                    data.steps[-1].number if data.steps else 0)

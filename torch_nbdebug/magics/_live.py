@@ -146,6 +146,27 @@ class MemoryProgress:
         rec.on_forward = lambda: live.update() if limiter.due() else None
 
 
+class ProfileProgress:
+    """How far the profiling is: optimizer steps seen, the warm-up, and whether the profiler still runs."""
+
+    def __init__(self, prof: Any) -> None:
+        self._prof = prof
+
+    def __call__(self) -> Progress:
+        rec = _recorder(self._prof)
+        if rec is None:
+            return Progress(status="")
+        seen, warmup, steps = rec.stepped, rec.warmup, rec.steps
+        if not rec.profiling:
+            return Progress(status=f"{_plural(seen, 'optimizer step')} so far: profiling done, the cell runs on "
+                                   f"at full speed; the report comes when it ends", panels=[])
+        if seen < warmup:
+            return Progress(status=f"warm-up: {seen} of {_plural(warmup, 'step')}", panels=[])
+        of = f" of {steps}" if steps is not None else ""
+        return Progress(status=f"profiling: {seen - warmup}{of} steps after {_plural(warmup, 'warm-up step')}",
+                        panels=[])
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":

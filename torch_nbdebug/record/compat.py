@@ -33,7 +33,7 @@ __all__ = [
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
-    "parse_version", "pop_dispatch_mode", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
+    "parse_version", "pop_dispatch_mode", "profiler_anti_patterns", "profiler_events", "profiler_running", "pop_function_mode", "push_dispatch_mode", "push_function_mode",
     "queue_backward_callback", "require", "restore_stance", "start_cuda_memory_history",
     "stop_cuda_memory_history", "storage_expired", "storage_id", "storage_key", "storage_use_count",
     "storage_weak_ref", "tensor_key", "tensor_version", "tree_leaves", "unskip_dynamo_codes",
@@ -641,3 +641,78 @@ def hooked_leaves(tensors: Iterable[torch.Tensor], own: tuple[type, ...] = ()) -
     hook has neither dict (both None): it is passed over without a call (a model's parameters, each step)."""
     return any(leaf_hooks(t, own) for t in tensors
                if t._backward_hooks is not None or getattr(t, "_post_accumulate_grad_hooks", None) is not None)
+
+
+# TorchTidy's anti-patterns (torch.profiler._pattern_matcher, private), as report_all_anti_patterns lists
+# them. Each needs Python stacks or input shapes (recorded only when asked: they are what makes the
+# profiler dear), which is why %%profile runs them on request (--tidy).
+_ANTI_PATTERNS = ("ExtraCUDACopyPattern", "FP32MatMulPattern", "OptimizerSingleTensorPattern",
+                  "SynchronizedDataLoaderPattern", "GradNotSetToNonePattern", "Conv2dBiasFollowedByBatchNorm2dPattern",
+                  "MatMulDimInFP16Pattern")
+
+
+class _OneTree:
+    """What a TorchTidy pattern reads of a ``torch.profiler.profile``, with the event tree built once
+    (each pattern would otherwise build its own: the dearest part of matching)."""
+
+    def __init__(self, prof: Any) -> None:
+        tree = prof.profiler.kineto_results.experimental_event_tree()
+        self.with_stack, self.record_shapes = prof.with_stack, prof.record_shapes
+        self.profiler = types.SimpleNamespace(
+            kineto_results=types.SimpleNamespace(experimental_event_tree=lambda: tree))
+
+
+def profiler_anti_patterns(prof: Any) -> tuple[tuple[str, str, int], ...]:
+    """``(name, description, matches)`` for each TorchTidy anti-pattern found in a stopped profile;
+    ``()`` where this torch has no pattern matcher."""
+    try:
+        import torch.profiler._pattern_matcher as matcher
+
+        shared = _OneTree(prof)
+    except Exception:  # noqa: BLE001 - no matcher in this torch, or no result to match: nothing to list
+        return ()
+    found: list[tuple[str, str, int]] = []
+    for name in _ANTI_PATTERNS:
+        cls = getattr(matcher, name, None)
+        if cls is None:
+            continue
+        try:
+            pattern = cls(shared, False)
+            matched = pattern.matched_events()
+        except Exception:  # noqa: BLE001 - one pattern that does not fit this torch is left out
+            continue
+        if matched:
+            found.append((str(pattern.name), str(pattern.description), len(matched)))
+    return tuple(found)
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler (or autograd profiler) session is active in this process: a second one
+    would start silently and stopping it would end the first one's session too."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if callable(enabled) else False
+
+
+# The utility ops torch.profiler leaves out of its own tables (torch.autograd.profiler_util._filter_name).
+_PROFILER_UTILITY = frozenset({"[memory]", "[OutOfMemory]", "profiler::_record_function_enter",
+                               "profiler::_record_function_enter_new", "profiler::_record_function_exit",
+                               "aten::is_leaf", "aten::output_nr", "aten::_version"})
+
+
+def profiler_events(prof: Any) -> list[tuple[str, int, int, int, bool, bool, bool, int, int]]:
+    """A stopped ``torch.profiler.profile``'s raw Kineto events, without building torch's Python
+    ``FunctionEvent`` tree (most of what ``prof.events()`` and ``key_averages()`` cost): per event
+    ``(name, start ns, end ns, thread, user annotation, Python function, on a device, correlation id,
+    linked correlation id)``, times from the trace's start. A device kernel and a CUDA runtime call are
+    linked to the op that launched them (their linked id is that op's correlation id)."""
+    result = prof.profiler.kineto_results
+    start = result.trace_start_ns()
+    cpu = torch.autograd.DeviceType.CPU
+    out = []
+    for e in result.events():
+        name = e.name()
+        if name in _PROFILER_UTILITY or getattr(e, "is_hidden_event", lambda: False)():
+            continue
+        out.append((name, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(), bool(e.is_user_annotation()),
+                    bool(e.is_python_function()), e.device_type() != cpu, e.correlation_id(), e.linked_correlation_id()))
+    return out
