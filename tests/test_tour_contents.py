@@ -6,7 +6,7 @@ from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TOUR = (NOTEBOOKS / "src" / "00_tour.py").read_text()
-MAGICS = ("%%nanwatch", "%graph", "%%grads", "%%cudamem", "%%explain", "%%repro", "%%monitor")
+MAGICS = ("%%nanwatch", "%graph", "%%grads", "%%cudamem", "%%explain", "%%repro", "%%monitor", "%%profile")
 
 
 def _code_cells(text: str) -> list[str]:

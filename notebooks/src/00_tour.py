@@ -13,9 +13,10 @@
 # | `%explain`, `%%explain` | `torch_nbdebug.explain()` | why a PyTorch error happened, at which op, module and line, and the fix |
 # | `%%repro` | `torch_nbdebug.repro(fn)` | runs a cell twice from the same state: the first op whose result changed, and why |
 # | `%%monitor` | `torch_nbdebug.monitor("loss")` | training curves and per-layer gradient norms, live, with alerts |
+# | `%%profile` | `torch_nbdebug.profile()` | why a step is slow: a verdict (data, host, launch, sync, compute, copies), the line and the module |
 #
 # Every view is a live widget when a kernel runs it, and a static picture in the saved notebook.
-# This tour runs on a CPU in under a minute. We debug one small model from start to finish: all seven
+# This tour runs on a CPU in under a minute. We debug one small model from start to finish: all eight
 # magics, in the order a bad day meets them.
 
 # %%
@@ -228,6 +229,50 @@ print(f"{len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; alerts: {
 assert len(losses) == 30 and losses[-1] < losses[0]
 
 # %% [markdown]
+# ## `%%profile`: why is my step slow?
+#
+# `%%profile` runs the cell under `torch.profiler` and answers with a **verdict** — data, host, launch,
+# sync, compute or copies — its share of the step, the **statement line** and the **module**, and the fix.
+# Here each sample is "decoded" in Python when the DataLoader asks for it.
+
+# %%
+import math
+
+class Decoded(torch.utils.data.Dataset):
+    """Each sample is "decoded" in Python when it is asked for."""
+    def __len__(self):
+        return 256
+    def __getitem__(self, i):
+        row = [math.sin(i * k) for k in range(20000)]  # the slow line
+        return torch.tensor(row[:16]), torch.tensor(row[16:18])
+
+loader = torch.utils.data.DataLoader(Decoded(), batch_size=32)
+net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+# %%
+%%profile
+for xb, yb in loader:
+    opt.zero_grad()
+    F.mse_loss(net(xb), yb).backward()
+    opt.step()
+
+# %% [markdown]
+# The step is **data-bound**, and the line is the decoding in `__getitem__`. Decode once, reuse the
+# batches, and compare the two profiles: which category got faster, and whether the verdict changed.
+
+# %%
+slow = _profile
+batches = list(loader)  # decode once, reuse every epoch
+with torch_nbdebug.profile() as fast:
+    for xb, yb in batches:
+        opt.zero_grad()
+        F.mse_loss(net(xb), yb).backward()
+        opt.step()
+assert slow.verdict == "data" and fast.verdict != "data"
+fast.compare(slow)
+
+# %% [markdown]
 # ## Where next
 #
 # The teaching notebooks go deeper, one debugging skill each:
@@ -240,8 +285,9 @@ assert len(losses) == 30 and losses[-1] < losses[0]
 # * **06 · Reproducibility and numerics** — seeds, determinism, epsilons, mixed precision.
 # * **07 · Code that debugs itself** — assertions, `assert_close`, `gradcheck`, structured logs.
 # * **08 · Monitoring training** — a run that diverges: *when* with `%%monitor`, *where* with `%%nanwatch`.
+# * **09 · Finding slow steps** — a data-bound step, then a launch-bound one, fixed and compared with `%%profile`.
 #
-# Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`, `%explain?`, `%repro?`, `%monitor?`.
+# Every magic has help: `%nanwatch?`, `%graph?`, `%grads?`, `%cudamem?`, `%explain?`, `%repro?`, `%monitor?`, `%profile?`.
 # %% [markdown]
 # ## Exercise: a NaN in attention
 #
