@@ -9,6 +9,7 @@ In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
 - ``repro(fn, state=(model, opt))`` — run twice from one state; the first op that differs, and why (``%%repro``)
 - ``with explain() as ex:`` / ``explain_exception(exc)`` — where and why a PyTorch error happened (``%explain``)
 - ``with monitor("loss") as mon:`` — values and per-layer gradients at every optimizer step, live (``%%monitor``)
+- ``load(path)`` — a report written by ``python -m torch_nbdebug TOOL script.py`` (all ranks) or ``to_json()``
 - ``to_tensorboard(result, logdir)`` — write a monitor, gradient trace, memory timeline or nanwatch report for TensorBoard
 
 Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
@@ -50,6 +51,8 @@ _EXPORTS = {
     "MonitorHistory": "torch_nbdebug.api.monitor",
     "MonitorRules": "torch_nbdebug.api.monitor",
     "to_tensorboard": "torch_nbdebug.api.tensorboard",
+    "load": "torch_nbdebug.api.ranks",
+    "RunReport": "torch_nbdebug.api.ranks",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -1,7 +1,7 @@
 """Summary statistics of one tensor, kept instead of the tensor itself."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 
@@ -54,6 +54,11 @@ class TensorStats:
         data = asdict(self)
         data["shape"] = list(self.shape)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TensorStats":
+        known = {f.name for f in fields(cls)}
+        return cls(**dict({k: v for k, v in data.items() if k in known}, shape=tuple(data["shape"])))
 
 
 def _fmt(value: float) -> str:

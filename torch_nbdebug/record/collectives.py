@@ -1,0 +1,203 @@
+"""What one rank knows about the run it is part of: optimizer steps, collectives, stacks, hangs.
+
+Composed with any recorder by :mod:`torch_nbdebug.api.ranks` (the recorders stay unchanged):
+
+- :class:`StepClock` counts optimizer steps completed (a global optimizer step post-hook, removed in
+  ``stop``) and remembers how many had completed when each of a recorder's iterations began, so a birth
+  in iteration ``i`` gets ``step = steps completed before it`` (the first iteration is step 0).
+- :class:`CollectiveLog` is a dispatch mode that sees ``c10d`` ops (``dist.all_reduce`` and DDP's bucket
+  all-reduce from its reducer in backward alike, on gloo and NCCL); every other op passes straight through.
+  Before each collective it counts the non-finite values going in and calls ``before`` (the rank file is
+  written there, before the rank may block); a collective running longer than ``hang_timeout`` seconds is
+  handed to ``on_hang`` from a watchdog thread.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from torch_nbdebug.record.compat import TorchDispatchMode, current_autograd_node
+from torch_nbdebug.record.source import user_position
+
+KEEP = 64  # collectives kept in full; older ones only counted
+
+
+class StepClock:
+    """Optimizer steps completed, and the step at which each of a recorder's iterations began
+    (``next_iteration()``: the number the recorder gives the iteration after the one running now)."""
+
+    def __init__(self, next_iteration: Optional[Callable[[], int]] = None) -> None:
+        self.steps = 0
+        self._next_iteration = next_iteration
+        self._starts: list[tuple[int, int]] = [(1, 0)]  # (iteration, steps completed before it)
+        self._handle: Any = None
+
+    def start(self) -> None:
+        self._handle = register_optimizer_step_post_hook(self._stepped)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self._next_iteration is not None:
+            nxt = self._next_iteration()  # the recorder's next iteration starts after this step
+            if nxt > self._starts[-1][0]:
+                self._starts.append((nxt, self.steps))
+
+    def step_of(self, iteration: int) -> int:
+        """Optimizer steps completed before ``iteration`` began (its ``step``; 0 for the first)."""
+        best = 0
+        for it, steps in self._starts:
+            if it > iteration:
+                break
+            best = steps
+        return best
+
+
+def nonfinite(tensors: list[Any]) -> int:
+    """Non-finite elements in the floating-point tensors of ``tensors`` (one reduction each)."""
+    count = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            count += int((~torch.isfinite(t)).sum())
+    return count
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every ``c10d`` op this rank entered, as plain dicts (see :data:`torch_nbdebug.data.ranks.SCHEMA`)."""
+
+    def __init__(self, clock: StepClock, before: Callable[[dict[str, Any]], None],
+                 hang_timeout: Optional[float] = None, on_hang: Optional[Callable[[dict[str, Any]], None]] = None,
+                 count_nonfinite: bool = True) -> None:
+        super().__init__()
+        self.clock = clock
+        self.before = before
+        self.count_nonfinite = count_nonfinite
+        self.entries: list[dict[str, Any]] = []
+        self.total = 0
+        self.pending: Optional[dict[str, Any]] = None
+        self.last_progress = time.monotonic()
+        self._buckets: tuple[int, int] = (-1, 0)  # (step, buckets all-reduced in its backward)
+        self._hang_timeout = hang_timeout
+        self._on_hang = on_hang
+        self._stop = threading.Event()
+        self._watchdog: Optional[threading.Thread] = None
+        self.errors: list[str] = []
+
+    # -- the mode --------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace != "c10d":
+            return func(*args, **(kwargs or {}))
+        entry = self._enter(func, args)
+        try:
+            self.before(entry)
+        except Exception as exc:  # noqa: BLE001 - a failed write never stops the user's collective
+            self.errors.append(f"the rank file could not be written before collective {entry['seq']}: {exc}")
+        self.pending = entry
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            entry["state"] = "issued"
+            entry["duration_s"] = round(time.monotonic() - entry.pop("_t0"), 6)
+            self.pending = None
+            self.last_progress = time.monotonic()
+
+    def _enter(self, func: Any, args: Any) -> dict[str, Any]:
+        tensors = _tensors(args)
+        step = self.clock.steps
+        bucket = None
+        if current_autograd_node() is not None:  # DDP's reducer all-reduces its gradient buckets in backward
+            last_step, count = self._buckets
+            bucket = count if last_step == step else 0
+            self._buckets = (step, bucket + 1)
+        position = user_position(sys._getframe(2))
+        self.total += 1
+        entry = {
+            "seq": self.total, "op": func.__name__.split(".")[0].rstrip("_") if hasattr(func, "__name__") else str(func),
+            "aten": str(func), "step": step, "bucket": bucket,
+            "shapes": [list(t.shape) for t in tensors], "dtypes": sorted({str(t.dtype).replace("torch.", "")
+                                                                         for t in tensors}),
+            "sent_nonfinite": nonfinite(tensors) if self.count_nonfinite else 0,
+            "file": position[0] if position else None, "line": position[1] if position else None,
+            "function": position[2] if position else None, "state": "waiting", "started": time.time(),
+            "_t0": time.monotonic(),
+        }
+        self.entries.append(entry)
+        if len(self.entries) > KEEP:
+            del self.entries[0]
+        return entry
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The kept entries as plain dicts (safe to write from another thread)."""
+        return [{k: v for k, v in e.items() if not k.startswith("_")} for e in list(self.entries)]
+
+    def sent(self) -> list[dict[str, Any]]:
+        return [e for e in self.snapshot() if e["sent_nonfinite"]]
+
+    # -- the watchdog ----------------------------------------------------------------------
+    def start(self) -> None:
+        self.__enter__()
+        if self._hang_timeout is not None and self._on_hang is not None:
+            self._watchdog = threading.Thread(target=self._watch, name="torch_nbdebug-hang-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.__exit__(None, None, None)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.join(timeout=1.0)
+                self._watchdog = None
+
+    def _watch(self) -> None:
+        timeout = float(self._hang_timeout or 0)
+        while not self._stop.wait(min(0.2, max(timeout / 10, 0.05))):
+            pending = self.pending
+            if pending is None or "_t0" not in pending:
+                continue
+            waited = time.monotonic() - pending["_t0"]
+            if waited >= timeout:
+                info = {k: v for k, v in pending.items() if not k.startswith("_")}
+                info["waited_s"] = round(waited, 3)
+                self._on_hang(info)  # writes the rank file and ends the process
+                return
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    out.append(b)
+                elif isinstance(b, (list, tuple)):
+                    out.extend(c for c in b if isinstance(c, torch.Tensor))
+    return out
+
+
+def thread_stacks(skip: Optional[int] = None) -> list[dict[str, Any]]:
+    """Every thread's Python stack, innermost frame last: ``[{"thread", "frames": [{file, line, function,
+    text}]}]`` (``skip``: a thread id to leave out, e.g. the watchdog's own)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        frames = [{"file": f.filename, "line": f.lineno, "function": f.name, "text": (f.line or "").strip()}
+                  for f in traceback.extract_stack(frame)]
+        stacks.append({"thread": names.get(ident, str(ident)), "main": ident == threading.main_thread().ident,
+                       "frames": frames})
+    stacks.sort(key=lambda s: not s["main"])
+    return stacks
