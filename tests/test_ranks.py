@@ -38,13 +38,13 @@ sys.exit(int(sys.argv[1]))
 
 DDP = """
 import sys, time, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
+mode = sys.argv[1]
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=4 if mode == "die" else 20))
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-mode = sys.argv[1]
-for step in range(3):
+for step in range(2 if mode == "uneven" and rank == 1 else 3):
     out = model(torch.randn(8, 4))
     if mode == "nan" and rank == 1 and step == 1:
         out = out * torch.sqrt(torch.tensor(-1.0))
@@ -188,6 +188,15 @@ def test_torchrun_hang_gives_stacks_the_waiting_collective_and_ends_the_run(tmp_
     one = report.ranks[1]
     assert one["status"] == "terminated" and any("time.sleep" in fr["text"] for s in one["stacks"]
                                                   for fr in s["frames"])
+
+
+def test_torchrun_uneven_batches_name_the_rank_that_finished_early_and_ddp_join(tmp_path: pathlib.Path) -> None:
+    proc = _torchrun(tmp_path, "uneven", "--hang-timeout", "3")
+    assert proc.returncode != 0
+    hang = torch_nbdebug.load(tmp_path / "out").findings["hang"]
+    assert hang["waiting"] == [0] and hang["step"] == 2 and hang["bucket"] == 0
+    [missing] = hang["missing"]
+    assert missing["rank"] == 1 and "had finished" in missing["why"] and "join" in missing["why"]
 
 
 def _free_port() -> int:

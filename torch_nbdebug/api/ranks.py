@@ -222,7 +222,7 @@ class RankSession:
 
     def _hung(self, info: dict[str, Any]) -> None:
         """The watchdog's call: this rank waited ``hang_timeout`` seconds in a collective."""
-        self._update(status="hung", hang=info, stacks=thread_stacks(skip=threading.get_ident()),
+        self._update(status="hung", hang=info, stacks=thread_stacks(),
                      exit_code=HANG_STATUS, error=f"no progress for {info['waited_s']:.1f}s in collective "
                                                   f"#{info['seq']} ({info['op']})")
         self._write()

@@ -18,7 +18,8 @@ One schema for a notebook's ``report.to_json()``, a script's ``DIR/report.json``
             "notes": [str]}
     COLLECTIVE = {"seq" (1-based, per rank), "op" ("allreduce"), "aten", "step", "bucket" (DDP bucket index
                   in backward, else null), "shapes", "dtypes", "sent_nonfinite", "file", "line", "function",
-                  "state": "waiting" | "issued", "started", "duration_s"}
+                  "state": "waiting" | "issued" | "completed" | "failed", "started", "duration_s"}
+                  (with --hang-timeout each Work is polled: "waiting" until it completes; without, "issued")
 
 ``findings`` is what :func:`torch_nbdebug.process.ranks.findings` worked out from the ranks (the first birth
 across ranks, senders and receivers, missing ranks, ranks that died, memory per rank); it is rebuilt on load.

@@ -91,6 +91,9 @@ def _died(ranks: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
 def _hang(ranks: list[dict[str, Any]], world: int) -> Optional[dict[str, Any]]:
     """Which ranks wait in which collective, which are missing from it, and the usual reason."""
     waiting = [p for p in ranks if p.get("hang")]
+    if not waiting:  # a collective that failed (gloo's timeout, a peer that went away) is a wait that ended
+        waiting = [dict(p, hang=p["collectives"][-1]) for p in ranks
+                   if p["status"] == "raised" and p.get("collectives") and _from_distributed(p.get("error") or "")]
     if not waiting:
         return None
     hang = min((p["hang"] for p in waiting), key=lambda h: h["seq"])
@@ -115,8 +118,12 @@ def _hang(ranks: list[dict[str, Any]], world: int) -> Optional[dict[str, Any]]:
             done = part.get("collectives_total", 0)
             missing.append({"rank": r, "why": BEHIND.format(rank=r, where=f"{done} collectives done, "
                                                                      f"status {part['status']}")})
-    return {"seq": seq, "op": op, "step": hang["step"], "file": hang.get("file"), "line": hang.get("line"),
+    return {"seq": seq, "op": op, "step": hang["step"], "bucket": hang.get("bucket"), "file": hang.get("file"), "line": hang.get("line"),
             "shapes": hang.get("shapes"), "waited_s": hang.get("waited_s"), "waiting": in_it, "missing": missing}
+
+
+def _from_distributed(error: str) -> bool:
+    return any(word in error for word in ("gloo", "NCCL", "nccl", "Connection", "Timed out", "DistBackendError"))
 
 
 def _memory(ranks: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

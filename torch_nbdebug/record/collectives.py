@@ -13,6 +13,7 @@ Composed with any recorder by :mod:`torch_nbdebug.api.ranks` (the recorders stay
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torch_nbdebug.record.compat import TorchDispatchMode, current_autograd_node
+from torch_nbdebug.record.compat import TorchDispatchMode, collective_work, current_autograd_node
 from torch_nbdebug.record.source import user_position
 
 KEEP = 64  # collectives kept in full; older ones only counted
@@ -84,7 +85,6 @@ class CollectiveLog(TorchDispatchMode):
         self.count_nonfinite = count_nonfinite
         self.entries: list[dict[str, Any]] = []
         self.total = 0
-        self.pending: Optional[dict[str, Any]] = None
         self.last_progress = time.monotonic()
         self._buckets: tuple[int, int] = (-1, 0)  # (step, buckets all-reduced in its backward)
         self._hang_timeout = hang_timeout
@@ -102,14 +102,47 @@ class CollectiveLog(TorchDispatchMode):
             self.before(entry)
         except Exception as exc:  # noqa: BLE001 - a failed write never stops the user's collective
             self.errors.append(f"the rank file could not be written before collective {entry['seq']}: {exc}")
-        self.pending = entry
+        entry["_work"] = None
         try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            entry["state"] = "issued"
-            entry["duration_s"] = round(time.monotonic() - entry.pop("_t0"), 6)
-            self.pending = None
+            out = func(*args, **(kwargs or {}))
+        except BaseException:
+            entry["state"] = "failed"
+            raise
+        # The op only issues the collective: it completes when its Work does (dist.all_reduce waits on it
+        # at once, DDP at the end of backward). The watchdog polls the Work; without one it is done now.
+        work = None
+        if self._watchdog is not None and isinstance(out, (tuple, list)) and out:
+            work = collective_work(out[-1])
+        if work is None:  # not watched: "issued" (its Work, which holds its tensors, is not kept)
+            entry["state"] = "issued" if self._watchdog is None else "completed"
+            entry["duration_s"] = round(time.monotonic() - entry["_t0"], 6)
             self.last_progress = time.monotonic()
+        else:
+            entry["_work"] = work
+        return out
+
+    def _done(self, entry: dict[str, Any]) -> None:
+        entry["state"] = "completed"
+        entry["duration_s"] = round(time.monotonic() - entry["_t0"], 6)
+        entry["_work"] = None
+        self.last_progress = time.monotonic()
+
+    def waiting(self) -> Optional[dict[str, Any]]:
+        """The oldest collective issued and not completed (its Work polled), or None."""
+        oldest = None
+        for entry in list(self.entries):
+            work = entry.get("_work")
+            if work is None or entry["state"] != "waiting":
+                continue
+            try:
+                completed = work.is_completed()
+            except RuntimeError:  # it failed: the rank's own error says how
+                completed = True
+            if completed:
+                self._done(entry)
+            elif oldest is None:
+                oldest = entry
+        return oldest
 
     def _enter(self, func: Any, args: Any) -> dict[str, Any]:
         tensors = _tensors(args)
@@ -138,7 +171,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The kept entries as plain dicts (safe to write from another thread)."""
-        return [{k: v for k, v in e.items() if not k.startswith("_")} for e in list(self.entries)]
+        return [_plain(e) for e in list(self.entries)]
 
     def sent(self) -> list[dict[str, Any]]:
         return [e for e in self.snapshot() if e["sent_nonfinite"]]
@@ -152,6 +185,8 @@ class CollectiveLog(TorchDispatchMode):
 
     def stop(self) -> None:
         self._stop.set()
+        for entry in self.entries:
+            entry["_work"] = None
         try:
             self.__exit__(None, None, None)
         finally:
@@ -162,15 +197,19 @@ class CollectiveLog(TorchDispatchMode):
     def _watch(self) -> None:
         timeout = float(self._hang_timeout or 0)
         while not self._stop.wait(min(0.2, max(timeout / 10, 0.05))):
-            pending = self.pending
-            if pending is None or "_t0" not in pending:
+            pending = self.waiting()
+            if pending is None:
                 continue
             waited = time.monotonic() - pending["_t0"]
             if waited >= timeout:
-                info = {k: v for k, v in pending.items() if not k.startswith("_")}
+                info = _plain(pending)
                 info["waited_s"] = round(waited, 3)
                 self._on_hang(info)  # writes the rank file and ends the process
                 return
+
+
+def _plain(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if not k.startswith("_")}
 
 
 def _tensors(args: Any) -> list[torch.Tensor]:
@@ -187,16 +226,20 @@ def _tensors(args: Any) -> list[torch.Tensor]:
     return out
 
 
-def thread_stacks(skip: Optional[int] = None) -> list[dict[str, Any]]:
-    """Every thread's Python stack, innermost frame last: ``[{"thread", "frames": [{file, line, function,
-    text}]}]`` (``skip``: a thread id to leave out, e.g. the watchdog's own)."""
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def thread_stacks() -> list[dict[str, Any]]:
+    """Every thread's Python stack, innermost frame last: ``[{"thread", "main", "frames": [{file, line,
+    function, text}]}]``, without torch_nbdebug's own threads and frames (the main thread first)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     stacks = []
     for ident, frame in sys._current_frames().items():
-        if ident == skip:
+        if names.get(ident, "").startswith("torch_nbdebug"):
             continue
         frames = [{"file": f.filename, "line": f.lineno, "function": f.name, "text": (f.line or "").strip()}
-                  for f in traceback.extract_stack(frame)]
+                  for f in traceback.extract_stack(frame)
+                  if not f.filename.startswith(_OURS) and not f.filename.startswith("<frozen")]
         stacks.append({"thread": names.get(ident, str(ident)), "main": ident == threading.main_thread().ident,
                        "frames": frames})
     stacks.sort(key=lambda s: not s["main"])

@@ -29,7 +29,7 @@ from torch_nbdebug.errors import NbdebugError
 __all__ = [
     "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
     "TorchVersionError", "at_least", "bind", "compiled_callables", "cuda_history_enabled",
-    "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
+    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
@@ -250,6 +250,19 @@ pop_function_mode: Callable[[], Any] = bind(torch._C, "_pop_torch_function_stack
 """Take the innermost function mode off the stack (without running its ``__exit__``)."""
 push_function_mode: Callable[[Any], None] = bind(torch._C, "_push_on_torch_function_stack", "the function mode stack")
 """Put a mode taken off with :func:`pop_function_mode` back on top."""
+
+
+def collective_work(value: Any) -> Any:
+    """The ``Work`` (``is_completed()``, ``wait()``) of a c10d op's boxed result as a dispatch mode sees it
+    (a ``torch.ScriptObject``); None when it is none."""
+    try:
+        from torch._C._distributed_c10d import Work
+    except ImportError:  # torch built without distributed
+        return None
+    try:
+        return Work.unbox(value)
+    except (RuntimeError, TypeError):
+        return None
 
 
 def pop_dispatch_mode() -> Any:

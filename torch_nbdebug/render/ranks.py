@@ -42,8 +42,9 @@ def finding_lines(doc: dict[str, Any]) -> list[str]:
     hang = f.get("hang")
     if hang is not None:
         waiting = ", ".join(str(r) for r in hang["waiting"])
-        lines.append(f"hang: rank {waiting} waited {hang.get('waited_s')}s in collective #{hang['seq']} "
-                     f"({hang['op']}, shapes {hang.get('shapes')}, step {hang['step']}, {_where(hang)})")
+        waited = f"waited {hang['waited_s']}s" if hang.get("waited_s") is not None else "failed waiting"
+        lines.append(f"hang: rank {waiting} {waited} in collective #{hang['seq']}, {_collective(hang)}, "
+                     f"shapes {hang.get('shapes')}")
         lines.extend(f"  missing: {m['why']}" for m in hang["missing"])
     for d in f.get("died") or ():
         lines.append(f"rank {d['rank']} died: {d['why']}")
