@@ -63,10 +63,16 @@ def _cli(*args: str, cwd: Any = None, timeout: int = 60) -> subprocess.Completed
                           env=ENV, cwd=cwd, timeout=timeout)
 
 
-def test_script_runs_as_main_with_its_status_and_the_report_written(tmp_path: pathlib.Path) -> None:
+@pytest.fixture(scope="module")
+def script_run(tmp_path_factory: Any) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    tmp_path = tmp_path_factory.mktemp("script")
     (tmp_path / "train.py").write_text(SCRIPT)
     out = tmp_path / "out"
-    proc = _cli("nanwatch", "--out", str(out), "train.py", "3", cwd=tmp_path)
+    return out, _cli("nanwatch", "--out", str(out), "train.py", "3", cwd=tmp_path)
+
+
+def test_script_runs_as_main_with_its_status_and_the_report_written(script_run: Any) -> None:
+    out, proc = script_run
     assert proc.returncode == 3, proc.stderr
     assert "args ['3'] __main__" in proc.stdout
     assert {p.name for p in out.iterdir()} == {"rank-0.json", "report.json", "report.html"}
@@ -80,6 +86,20 @@ def test_script_runs_as_main_with_its_status_and_the_report_written(tmp_path: pa
     report = torch_nbdebug.load(out)
     assert isinstance(report, NanReport) and report.first.op == "aten.log.default"
     assert "aten.log.default" in report.text()
+
+
+def test_nanwatch_magic_loads_a_script_runs_report(script_run: Any, ipython: Any) -> None:
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    out, _ = script_run
+    with capture_output() as cap:
+        ipython.run_line_magic("nanwatch", f"--load {out}")
+    report = ipython.user_ns.pop("_nanwatch")
+    assert isinstance(report, NanReport) and report.first.op == "aten.log.default"
+    assert "aten.log.default" in cap.outputs[0].data["text/plain"]
+    with pytest.raises(UsageError, match="no such report"):
+        ipython.run_line_magic("nanwatch", f"--load {out / 'nothing.json'}")
 
 
 def test_a_script_that_raises_gives_its_traceback_status_and_report(tmp_path: pathlib.Path) -> None:
@@ -197,6 +217,32 @@ def test_torchrun_uneven_batches_name_the_rank_that_finished_early_and_ddp_join(
     assert hang["waiting"] == [0] and hang["step"] == 2 and hang["bucket"] == 0
     [missing] = hang["missing"]
     assert missing["rank"] == 1 and "had finished" in missing["why"] and "join" in missing["why"]
+
+
+MEMORY = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+held = [torch.zeros(1 << 20) for _ in range(1 + 3 * rank)]  # rank 1 holds 12 MiB more than rank 0
+t = torch.ones(8)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_cudamem_gives_a_timeline_per_rank_and_the_imbalance(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "mem.py").write_text(MEMORY)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "torch_nbdebug", "cudamem", "--out", "out", "mem.py"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = torch_nbdebug.load(tmp_path / "out")
+    mem = report.findings["memory"]
+    assert mem["max_rank"] == 1 and 12 * 2 ** 20 <= mem["imbalance_bytes"] < 13 * 2 ** 20
+    assert report.rank(1).peak_bytes - report.rank(0).peak_bytes == mem["imbalance_bytes"]
+    assert "imbalance 12.0 MiB" in proc.stderr and "highest on rank 1" in proc.stderr
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert page.count("<h3>rank ") == 2 and "display:flex" in page
 
 
 def _free_port() -> int:

@@ -48,9 +48,9 @@ class MemoryTimeline(Displayable, data.MemoryTimeline):
 
     def to_json(self) -> str:
         """The timeline as the versioned JSON document a script run writes (``torch_nbdebug.load`` reads it)."""
-        from torch_nbdebug.api.ranks import document_json
+        from torch_nbdebug.data.ranks import to_json
 
-        return document_json("cudamem", self.to_dict())
+        return to_json("cudamem", self.to_dict())
 
     def to_tensorboard(self, logdir: Any) -> str:
         """Write bytes by category over time and the peak as TensorBoard event files in ``logdir``

@@ -82,9 +82,9 @@ class NanReport(Displayable):
 
     def to_json(self) -> str:
         """The report as the versioned JSON document a script run writes (``torch_nbdebug.load`` reads it)."""
-        from torch_nbdebug.api.ranks import document_json
+        from torch_nbdebug.data.ranks import to_json
 
-        return document_json("nanwatch", self.to_dict())
+        return to_json("nanwatch", self.to_dict())
 
     def to_tensorboard(self, logdir: Any) -> str:
         """Write the births (as a text table) as TensorBoard event files in ``logdir`` (returns it);

@@ -22,7 +22,7 @@ from torch_nbdebug.process.ranks import findings
 from torch_nbdebug.record.collectives import CollectiveLog, StepClock, thread_stacks
 from torch_nbdebug.render.bundle import Displayable
 
-__all__ = ["load", "RunReport", "RankSession", "to_document"]
+__all__ = ["load", "RunReport", "RankSession"]
 
 HANG_STATUS = 124  # the status `timeout` uses: the run was ended because it stopped making progress
 MERGE_WAIT_S = 5.0  # how long rank 0 waits at exit for the other ranks' last writes
@@ -96,17 +96,6 @@ def tool_object(tool: str, report: Optional[dict[str, Any]]) -> Any:
 
         return GradTrace.from_dict(report)
     raise ValueError(f"cannot load a {tool!r} report with this torch_nbdebug")
-
-
-def to_document(tool: str, report: dict[str, Any]) -> dict[str, Any]:
-    """A notebook result as a one-rank report document (what ``to_json()`` writes and :func:`load` reads)."""
-    return data.rank_part(tool, 0, 1, status="finished", report=report, updated=time.time())
-
-
-def document_json(tool: str, report: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(to_document(tool, report), allow_nan=False, default=data._plain)
 
 
 def load(path: Union[str, os.PathLike]) -> Any:

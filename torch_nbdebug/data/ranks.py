@@ -63,6 +63,14 @@ def document(tool: str, ranks: list[dict[str, Any]], findings: Optional[dict[str
             "ranks": sorted(ranks, key=lambda r: r["rank"]), "findings": findings}
 
 
+def to_json(tool: str, report: dict[str, Any]) -> str:
+    """A notebook result's ``to_dict()`` as a one-rank document (what its ``to_json()`` returns)."""
+    import time
+
+    doc = rank_part(tool, 0, 1, status="finished", report=report, updated=time.time())
+    return json.dumps(doc, allow_nan=False, default=_plain)
+
+
 def write_atomic(path: Union[str, os.PathLike], doc: dict[str, Any]) -> None:
     """Write ``doc`` as JSON to ``path``: a temporary file beside it, then a rename."""
     path = pathlib.Path(path)

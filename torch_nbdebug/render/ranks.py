@@ -90,11 +90,18 @@ def run_html(doc: dict[str, Any], views: list[Optional[Any]]) -> str:
     parts = [f"<h3>torch_nbdebug {esc(doc['tool'])}: {esc(f['world_size'])} ranks</h3>",
              f"<ul>{head}</ul>" if head else "",
              table(("rank", "status", "optimizer steps", "collectives", "error"), rows, numeric=(0, 2, 3))]
+    views_html = []
     for part, view in zip(doc["ranks"], views):
-        parts.append(f"<h3>rank {esc(part['rank'])}</h3>")
+        one = [f"<h3>rank {esc(part['rank'])}</h3>"]
         if part.get("stacks"):
-            parts.append("<pre>" + esc("\n".join(_stacks_text(part))) + "</pre>")
-        parts.append(view.html() if view is not None else muted("no report: the rank did not finish"))
+            one.append("<pre>" + esc("\n".join(_stacks_text(part))) + "</pre>")
+        one.append(view.html() if view is not None else muted("no report: the rank did not finish"))
+        views_html.append("".join(one))
+    if doc["tool"] == "cudamem":  # memory timelines side by side, one column per rank
+        parts.append('<div style="display:flex;gap:1.5em;overflow-x:auto">'
+                     + "".join(f'<div style="flex:0 0 auto">{v}</div>' for v in views_html) + "</div>")
+    else:
+        parts.extend(views_html)
     return "<div class=\"tnd-ranks\">" + "".join(parts) + "</div>"
 
 
