@@ -28,8 +28,9 @@ from torch_nbdebug.errors import NbdebugError
 
 __all__ = [
     "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
-    "TorchVersionError", "at_least", "bind", "compiled_callables", "cuda_history_enabled",
-    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
+    "TorchVersionError", "at_least", "below_autograd", "bind", "compiled_callables", "cuda_history_enabled",
+    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "drop_library",
+    "dynamo_loaded",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
@@ -263,6 +264,17 @@ def collective_work(value: Any) -> Any:
         return Work.unbox(value)
     except (RuntimeError, TypeError):
         return None
+
+
+def below_autograd() -> Any:
+    """A context in which an op called again skips the Autograd key (a kernel registered there calls the
+    op's real kernel this way, as torch.library's examples do)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def drop_library(lib: Any) -> None:
+    """Remove every kernel a ``torch.library.Library`` registered (the ops' own kernels are back)."""
+    lib._destroy()
 
 
 def pop_dispatch_mode() -> Any:
