@@ -1,13 +1,14 @@
 """One rank of a script run: the tool's recorder, unchanged, plus the rank's step clock, collective log,
 rank file and hang watchdog; and ``load(DIR or file)``, which gives the report back.
 
-A rank writes ``DIR/rank-R.json`` (atomically) before each collective, at exit, on SIGTERM and when it
-hangs; rank 0 merges the rank files into ``DIR/report.json`` and ``DIR/report.html`` at exit (it reads
+A rank writes ``DIR/rank-R.json`` (atomically) before each collective (its births encoded again only when
+there are new ones), at exit, on SIGTERM and when it hangs; rank 0 merges the rank files into ``DIR/report.json`` and ``DIR/report.html`` at exit (it reads
 files, never a collective that may hang); :func:`load` merges them again, so a report is complete even
 when rank 0 died first.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -57,8 +58,6 @@ class RunReport(Displayable):
         return self.document
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.document, allow_nan=False, default=data._plain)
 
     def text(self) -> str:
@@ -123,6 +122,7 @@ class RankSession:
         self._exit = on_hang_exit
         self._lock = threading.Lock()
         self._written_births = -1
+        self._births_json: Optional[str] = None
         self._signals: dict[int, Any] = {}
         self.result: Any = None
         self.part = data.rank_part(tool, self.rank, self.world_size, host=socket.gethostname(), pid=os.getpid(),
@@ -179,14 +179,16 @@ class RankSession:
     def _update(self, **values: Any) -> None:
         self.part.update(values)
 
-    def _write(self) -> None:
+    def _write(self, running: bool = False) -> None:
+        """The rank file, now (``running``: before a collective, the births encoded when they last changed)."""
         with self._lock:
             self.part.update(steps=self.clock.steps, updated=time.time(), collectives=self.collectives.snapshot(),
                              collectives_total=self.collectives.total, sent=self.collectives.sent(),
                              notes=list(self.collectives.errors))
             doc = {"schema": data.SCHEMA, "version": data.VERSION, "tool": self.tool,
                    "world_size": self.world_size, "ranks": [self.part], "findings": None}
-            data.write_atomic(self.path, doc)
+            births = self._births_json if running else None
+            data.write_atomic(self.path, doc, {"births": births} if births is not None else None)
 
     def _before(self, entry: dict[str, Any]) -> None:
         """Before a collective: the births so far (when there are new ones) and the collective log."""
@@ -194,8 +196,9 @@ class RankSession:
             events = self._births()
             if len(events) != self._written_births:
                 self.part["births"] = [self._stamp(i, e) for i, e in enumerate(events)]
+                self._births_json = json.dumps(self.part["births"], allow_nan=False, default=data._plain)
                 self._written_births = len(events)
-        self._write()
+        self._write(running=True)
 
     def _stamp(self, order: int, event: Any) -> dict[str, Any]:
         data_ = event if isinstance(event, dict) else event.to_dict()

@@ -13,7 +13,7 @@ One schema for a notebook's ``report.to_json()``, a script's ``DIR/report.json``
             "report": the tool's own to_dict() (NanSummary, MemoryTimeline, GradTrace) | null while running,
             "births": [{"step", "order", "event": NanEvent.to_dict()}] (nanwatch; written as they happen),
             "collectives": [COLLECTIVE, ...] (the last 64), "collectives_total": int,
-            "sent": [COLLECTIVE, ...] (every collective this rank sent non-finite values into),
+            "sent": [COLLECTIVE, ...] (the first 16 collectives this rank sent non-finite values into),
             "hang": COLLECTIVE + {"waited_s"} | null, "stacks": [{"thread", "main", "frames": [...]}] | null,
             "notes": [str]}
     COLLECTIVE = {"seq" (1-based, per rank), "op" ("allreduce"), "aten", "step", "bucket" (DDP bucket index
@@ -71,13 +71,26 @@ def to_json(tool: str, report: dict[str, Any]) -> str:
     return json.dumps(doc, allow_nan=False, default=_plain)
 
 
-def write_atomic(path: Union[str, os.PathLike], doc: dict[str, Any]) -> None:
-    """Write ``doc`` as JSON to ``path``: a temporary file beside it, then a rename."""
+def dumps(doc: dict[str, Any], encoded: Optional[dict[str, str]] = None) -> str:
+    """``doc`` as JSON; ``encoded`` maps a key of its one rank to that value's JSON, encoded once before (a
+    rank rewrites its file before every collective: its births are encoded only when they change)."""
+    if not encoded:
+        return json.dumps(doc, allow_nan=False, default=_plain)
+    part = dict(doc["ranks"][0], **{key: f"\x00{key}\x00" for key in encoded})
+    text = json.dumps(dict(doc, ranks=[part]), allow_nan=False, default=_plain)
+    for key, value in encoded.items():
+        text = text.replace(json.dumps(f"\x00{key}\x00"), value, 1)
+    return text
+
+
+def write_atomic(path: Union[str, os.PathLike], doc: dict[str, Any], encoded: Optional[dict[str, str]] = None) -> None:
+    """Write ``doc`` as JSON to ``path`` (see :func:`dumps`): a temporary file beside it, then a rename."""
     path = pathlib.Path(path)
+    text = dumps(doc, encoded)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, allow_nan=False, default=_plain)
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         try:

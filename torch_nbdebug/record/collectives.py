@@ -30,6 +30,7 @@ from torch_nbdebug.record.compat import below_autograd, collective_work, current
 from torch_nbdebug.record.source import user_position
 
 KEEP = 64  # collectives kept in full; older ones only counted
+KEEP_SENT = 16  # the first collectives this rank sent non-finite values into (the later ones only pass them on)
 
 
 class StepClock:
@@ -93,6 +94,7 @@ class CollectiveLog:
         self.before = before
         self.count_nonfinite = count_nonfinite
         self.entries: list[dict[str, Any]] = []
+        self._sent: list[dict[str, Any]] = []
         self.total = 0
         self.last_progress = time.monotonic()
         self._buckets: tuple[int, int] = (-1, 0)  # (step, buckets all-reduced in its backward)
@@ -188,6 +190,8 @@ class CollectiveLog:
             "_t0": time.monotonic(),
         }
         self.entries.append(entry)
+        if entry["sent_nonfinite"] and len(self._sent) < KEEP_SENT:
+            self._sent.append(entry)
         if len(self.entries) > KEEP:
             del self.entries[0]
         return entry
@@ -197,7 +201,7 @@ class CollectiveLog:
         return [_plain(e) for e in list(self.entries)]
 
     def sent(self) -> list[dict[str, Any]]:
-        return [e for e in self.snapshot() if e["sent_nonfinite"]]
+        return [_plain(e) for e in self._sent]
 
     # -- the watchdog ----------------------------------------------------------------------
     def start(self) -> None:
