@@ -82,7 +82,7 @@ def _died(ranks: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
             last = (part.get("collectives") or [None])[-1]
             where = (f"its last write was before collective #{last['seq']} ({last['op']}) at step {last['step']}"
                      if last else f"its last write was at step {part.get('steps', 0)}")
-            died.append({"rank": part["rank"], "why": f"it died without writing its report: {where}"})
+            died.append({"rank": part["rank"], "why": f"no report; {where}"})
         elif part["status"] == "terminated":
             died.append({"rank": part["rank"], "why": part.get("error") or "it was terminated by a signal"})
     return sorted(died, key=lambda d: d["rank"])
