@@ -157,6 +157,18 @@ def test_dash_m_runs_a_module(tmp_path: pathlib.Path) -> None:
     assert torch_nbdebug.load(tmp_path / "o").peak_bytes > 0
 
 
+def test_grads_records_the_scripts_model_found_by_name(tmp_path: pathlib.Path, monkeypatch: Any,
+                                                      capsys: Any) -> None:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)  # in this process: main() is what python -m torch_nbdebug runs
+    assert main(["grads", "--model", "model", "-b", "8", "--out", "o", "train.py", "0"]) == 0
+    report = torch_nbdebug.load(tmp_path / "o")
+    assert report.steps == (0, 1, 2) and report.layer_names == ("model",)
+    assert sys.modules["__main__"].__name__ == "__main__" and "model" not in vars(sys.modules["__main__"])
+    assert main(["grads", "--model", "modle", "--out", "o2", "train.py", "0"]) == 0
+    assert "no nn.Module named 'modle' was ever called" in capsys.readouterr().err
+
+
 def test_notebook_reports_round_trip_through_to_json_and_load(tmp_path: pathlib.Path) -> None:
     with torch_nbdebug.nanwatch() as report:
         torch.log(torch.zeros(3))

@@ -91,9 +91,10 @@ def tool_object(tool: str, report: Optional[dict[str, Any]]) -> Any:
 
         return MemoryTimeline.from_data(Data.from_dict(report))
     if tool == "grads":
-        from torch_nbdebug.api.grads import GradTrace
+        from torch_nbdebug.api.grads import GradReport
+        from torch_nbdebug.data.grads import GradTrace
 
-        return GradTrace.from_dict(report)
+        return GradReport(GradTrace.from_dict(report))
     raise ValueError(f"cannot load a {tool!r} report with this torch_nbdebug")
 
 
@@ -157,10 +158,20 @@ class RankSession:
             self.context.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         status = "finished" if exc is None or exit_code == 0 else "raised"
         report = self.result.to_dict() if self.result is not None else None
+        note = getattr(self.result, "note", None)
+        if callable(note) and note():
+            self.collectives.errors.append(note())
         self._update(status=status, exit_code=exit_code, report=report, error=_one_line(exc) if status != "finished"
                      else None, births=self._final_births(report))
         self._write()
-        return self.merge() if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        try:
+            return self.merge()
+        except Exception as err:  # noqa: BLE001 - the rank files are written; the script's status stands
+            print(f"torch_nbdebug could not merge the report in {self.out}: {type(err).__name__}: {err} (the rank "
+                  f"files are there: torch_nbdebug.load({str(self.out)!r}))", file=sys.stderr)
+            return None
 
     def merge(self, wait: float = MERGE_WAIT_S) -> RunReport:
         """Wait (briefly) for every rank's last write, then write report.json and report.html."""

@@ -38,6 +38,8 @@ def tool_parser(name: str) -> argparse.ArgumentParser:
                                                                   f"[args ...]", description=tool.help)
     for argument in tool.arguments():
         argument.add_to_parser(parser, None)
+    for args, kwargs in tool.extra:
+        parser.add_argument(*args, **kwargs)
     parser.add_argument("--out", default="nbdebug-report", metavar="DIR",
                         help="where the report goes (default: ./nbdebug-report)")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",

@@ -57,6 +57,7 @@ def finding_lines(doc: dict[str, Any]) -> list[str]:
     for part in doc["ranks"]:
         if part["status"] in ("raised", "hung"):
             lines.append(f"rank {part['rank']} {part['status']}: {part.get('error')}")
+        lines.extend(f"rank {part['rank']}: {note}" for note in part.get("notes") or ())
     return lines
 
 
