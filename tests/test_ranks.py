@@ -214,6 +214,8 @@ def test_torchrun_hang_gives_stacks_the_waiting_collective_and_ends_the_run(tmp_
     report = torch_nbdebug.load(tmp_path / "out")
     hang = report.findings["hang"]
     assert hang["waiting"] == [0] and hang["op"] == "allreduce" and hang["step"] == 2
+    fr = hang["flight_recorder"]  # torch's own record of the collective it waits in (turned on by --hang-timeout)
+    assert fr["profiling_name"] == "gloo:all_reduce" and fr["input_sizes"] == [[5]]
     assert [m["rank"] for m in hang["missing"]] == [1]
     zero = report.ranks[0]
     assert zero["status"] == "hung" and any(s["main"] for s in zero["stacks"])

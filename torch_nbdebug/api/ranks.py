@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Union
 
 from torch_nbdebug.data import ranks as data
 from torch_nbdebug.process.ranks import findings
-from torch_nbdebug.record.collectives import CollectiveLog, StepClock, thread_stacks
+from torch_nbdebug.record.collectives import CollectiveLog, StepClock, flight_recorder_wait, thread_stacks
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["load", "RunReport", "RankSession"]
@@ -225,6 +225,7 @@ class RankSession:
 
     def _hung(self, info: dict[str, Any]) -> None:
         """The watchdog's call: this rank waited ``hang_timeout`` seconds in a collective."""
+        info["flight_recorder"] = flight_recorder_wait()
         self._update(status="hung", hang=info, stacks=thread_stacks(),
                      exit_code=HANG_STATUS, error=f"no progress for {info['waited_s']:.1f}s in collective "
                                                   f"#{info['seq']} ({info['op']})")

@@ -114,6 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         started = TOOLS[name].start(args, main_module.__dict__)
     except InputError as exc:
         tool_parser(name).error(str(exc))
+    if args.hang_timeout is not None:
+        from torch_nbdebug.record.collectives import turn_on_flight_recorder
+
+        turn_on_flight_recorder()
     session = RankSession(name, args.out, started.context, births=started.births, iteration=started.iteration,
                           hang_timeout=args.hang_timeout)
     saved = sys.argv, sys.modules.get("__main__"), list(sys.path)

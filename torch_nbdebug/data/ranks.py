@@ -14,12 +14,15 @@ One schema for a notebook's ``report.to_json()``, a script's ``DIR/report.json``
             "births": [{"step", "order", "event": NanEvent.to_dict()}] (nanwatch; written as they happen),
             "collectives": [COLLECTIVE, ...] (the last 64), "collectives_total": int,
             "sent": [COLLECTIVE, ...] (the first 16 collectives this rank sent non-finite values into),
-            "hang": COLLECTIVE + {"waited_s"} | null, "stacks": [{"thread", "main", "frames": [...]}] | null,
+            "hang": COLLECTIVE + {"waited_s", "flight_recorder": FR | null} | null, "stacks": [{"thread", "main", "frames": [...]}] | null,
             "notes": [str]}
     COLLECTIVE = {"seq" (1-based, per rank), "op" ("allreduce"), "aten", "step", "bucket" (DDP bucket index
                   in backward, else null), "shapes", "dtypes", "sent_nonfinite", "file", "line", "function",
                   "state": "waiting" | "issued" | "completed" | "failed", "started", "duration_s"}
                   (with --hang-timeout each Work is polled: "waiting" until it completes; without, "issued")
+
+    FR = Flight Recorder's oldest collective not completed: {"collective_seq_id", "profiling_name" ("gloo:all_reduce"),
+          "state", "input_sizes", "input_dtypes", "process_group", "timeout_ms", "is_p2p", "pg_status", "version"}
 
 ``findings`` is what :func:`torch_nbdebug.process.ranks.findings` worked out from the ranks (the first birth
 across ranks, senders and receivers, missing ranks, ranks that died, memory per rank); it is rebuilt on load.

@@ -119,7 +119,8 @@ def _hang(ranks: list[dict[str, Any]], world: int) -> Optional[dict[str, Any]]:
             missing.append({"rank": r, "why": BEHIND.format(rank=r, where=f"{done} collectives done, "
                                                                      f"status {part['status']}")})
     return {"seq": seq, "op": op, "step": hang["step"], "bucket": hang.get("bucket"), "file": hang.get("file"), "line": hang.get("line"),
-            "shapes": hang.get("shapes"), "waited_s": hang.get("waited_s"), "waiting": in_it, "missing": missing}
+            "shapes": hang.get("shapes"), "waited_s": hang.get("waited_s"), "waiting": in_it, "missing": missing,
+            "flight_recorder": hang.get("flight_recorder")}
 
 
 def _from_distributed(error: str) -> bool:

@@ -26,7 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torch_nbdebug.record.compat import below_autograd, collective_work, current_autograd_node, drop_library
+from torch_nbdebug.record.compat import (FLIGHT_RECORDER_ENV, below_autograd, collective_work, current_autograd_node,
+                                         drop_library, flight_recorder_dump)
 from torch_nbdebug.record.source import user_position
 
 KEEP = 64  # collectives kept in full; older ones only counted
@@ -235,6 +236,27 @@ class CollectiveLog:
                 info["waited_s"] = round(waited, 3)
                 self._on_hang(info)  # writes the rank file and ends the process
                 return
+
+
+def turn_on_flight_recorder(entries: int = 2000) -> None:
+    """Have process groups made from now on record their collectives in Flight Recorder (unless the user
+    chose a buffer size already): its record is what a hung rank reports first."""
+    if not any(os.environ.get(name) for name in FLIGHT_RECORDER_ENV):
+        os.environ[FLIGHT_RECORDER_ENV[0]] = str(entries)
+
+
+def flight_recorder_wait() -> Optional[dict[str, Any]]:
+    """The oldest collective Flight Recorder holds as not completed, and each group's status, or None."""
+    dump = flight_recorder_dump()
+    if dump is None:
+        return None
+    pending = [e for e in dump["entries"] if not e.get("retired") and e.get("state") != "completed"]
+    if not pending:
+        return None
+    entry = min(pending, key=lambda e: (e.get("pg_id", 0), e.get("collective_seq_id", 0)))
+    keys = ("collective_seq_id", "profiling_name", "state", "input_sizes", "input_dtypes", "process_group",
+            "timeout_ms", "is_p2p")
+    return dict({k: entry.get(k) for k in keys}, pg_status=dump.get("pg_status", {}), version=dump.get("version"))
 
 
 def _plain(entry: dict[str, Any]) -> dict[str, Any]:

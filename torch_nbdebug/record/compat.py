@@ -30,7 +30,7 @@ __all__ = [
     "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
     "TorchVersionError", "at_least", "below_autograd", "bind", "compiled_callables", "cuda_history_enabled",
     "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "drop_library",
-    "dynamo_loaded",
+    "dynamo_loaded", "FLIGHT_RECORDER_ENV", "flight_recorder_dump",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
@@ -264,6 +264,26 @@ def collective_work(value: Any) -> Any:
         return Work.unbox(value)
     except (RuntimeError, TypeError):
         return None
+
+
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""Flight Recorder records the collectives of process groups created while one of these is set (gloo and NCCL)."""
+
+
+def flight_recorder_dump() -> Optional[dict[str, Any]]:
+    """Flight Recorder's record of this process's collectives (its JSON dump, parsed), or None when this torch
+    has none or recorded nothing."""
+    import json
+
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:
+        return None
+    try:
+        dump = json.loads(_dump_fr_trace_json(True, True))
+    except (RuntimeError, ValueError):
+        return None
+    return dump if dump.get("entries") else None
 
 
 def below_autograd() -> Any:

@@ -45,6 +45,10 @@ def finding_lines(doc: dict[str, Any]) -> list[str]:
         waited = f"waited {hang['waited_s']}s" if hang.get("waited_s") is not None else "failed waiting"
         lines.append(f"hang: rank {waiting} {waited} in collective #{hang['seq']}, {_collective(hang)}, "
                      f"shapes {hang.get('shapes')}")
+        fr = hang.get("flight_recorder")
+        if fr:
+            lines.append(f"  Flight Recorder: {fr['profiling_name']} #{fr['collective_seq_id']} {fr['state']}, "
+                         f"inputs {fr.get('input_sizes')}")
         lines.extend(f"  missing: {m['why']}" for m in hang["missing"])
     for d in f.get("died") or ():
         lines.append(f"rank {d['rank']} died: {d['why']}")
