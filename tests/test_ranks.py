@@ -301,3 +301,38 @@ def test_multiprocessing_rank_killed_mid_run_leaves_its_part_and_is_named(tmp_pa
     assert died["rank"] == 1 and "before collective" in died["why"]
     assert report.ranks[1]["status"] == "running" and report.ranks[1]["steps"] >= 1
     assert "rank 1 died" in report.text()
+
+
+def _part(rank: int, **values: Any) -> dict[str, Any]:
+    from torch_nbdebug.data import ranks as data
+
+    return data.rank_part("nanwatch", rank, 3, **values)["ranks"][0]
+
+
+def _birth(step: int, order: int, phase: str = "forward", op: str = "aten.log.default") -> dict[str, Any]:
+    return {"step": step, "order": order, "event": {"phase": phase, "op": op, "title": op, "iteration": step + 1}}
+
+
+def test_first_across_ranks_is_by_step_and_op_order_not_by_rank_or_time() -> None:
+    from torch_nbdebug.data.ranks import document
+    from torch_nbdebug.process.ranks import findings
+
+    # rank 1's birth was written later in wall-clock time but at an earlier step (and phase): it is first
+    ranks = [_part(0, status="finished", updated=1e9, births=[_birth(4, 0)]),
+             _part(1, status="finished", updated=2e9, births=[_birth(3, 5, "backward")]),
+             _part(2, status="finished", updated=1e9, births=[_birth(3, 0, "optimizer", "Adam.step")])]
+    first = findings(document("nanwatch", ranks))["first"]
+    assert (first["rank"], first["step"], first["event"]["phase"]) == (1, 3, "backward")
+
+
+def test_a_rank_in_another_collective_is_named_as_a_collective_under_a_rank_condition() -> None:
+    from torch_nbdebug.data.ranks import document
+    from torch_nbdebug.process.ranks import findings
+
+    wait = {"seq": 5, "op": "allreduce", "step": 2, "line": 30, "file": "t.py", "shapes": [[1]], "waited_s": 3.0}
+    ranks = [_part(0, status="hung", hang=wait), _part(1, status="hung", hang=wait),
+             _part(2, status="hung", hang=dict(wait, op="barrier", line=41))]
+    hang = findings(document("nanwatch", ranks))["hang"]
+    assert hang["waiting"] == [0, 1] and [m["rank"] for m in hang["missing"]] == [2]
+    assert "collective #5 (barrier, line 41)" in hang["missing"][0]["why"]
+    assert "if rank == 0" in hang["missing"][0]["why"]
