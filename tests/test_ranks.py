@@ -336,3 +336,17 @@ def test_a_rank_in_another_collective_is_named_as_a_collective_under_a_rank_cond
     assert hang["waiting"] == [0, 1] and [m["rank"] for m in hang["missing"]] == [2]
     assert "collective #5 (barrier, line 41)" in hang["missing"][0]["why"]
     assert "if rank == 0" in hang["missing"][0]["why"]
+
+
+def test_a_rank_whose_nan_came_from_a_collective_is_a_receiver_not_the_first_birth() -> None:
+    from torch_nbdebug.data.ranks import document
+    from torch_nbdebug.process.ranks import findings
+
+    sent = {"seq": 9, "op": "allreduce", "step": 2, "bucket": 0, "sent_nonfinite": 3, "line": 14, "file": "t.py"}
+    ranks = [_part(0, status="finished", births=[_birth(2, 0, "input", "aten.addmm.default")]),
+             _part(1, status="finished", births=[_birth(2, 4, "backward", "SqrtBackward0")], sent=[sent]),
+             _part(2, status="finished")]
+    f = findings(document("nanwatch", ranks))
+    assert (f["first"]["rank"], f["first"]["event"]["op"]) == (1, "SqrtBackward0")
+    [s] = f["sent"]
+    assert (s["senders"], s["receivers"], s["bucket"]) == ([1], [0, 2], 0) and f["receivers"] == [0, 2]
