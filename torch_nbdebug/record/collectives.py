@@ -16,6 +16,7 @@ Composed with any recorder by :mod:`torch_nbdebug.api.ranks` (the recorders stay
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -247,8 +248,12 @@ def turn_on_flight_recorder(entries: int = 2000) -> None:
 
 def flight_recorder_wait() -> Optional[dict[str, Any]]:
     """The oldest collective Flight Recorder holds as not completed, and each group's status, or None."""
-    dump = flight_recorder_dump()
-    if dump is None:
+    text = flight_recorder_dump()
+    try:
+        dump = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not dump or not dump.get("entries"):
         return None
     pending = [e for e in dump["entries"] if not e.get("retired") and e.get("state") != "completed"]
     if not pending:

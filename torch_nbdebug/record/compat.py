@@ -270,20 +270,17 @@ FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 """Flight Recorder records the collectives of process groups created while one of these is set (gloo and NCCL)."""
 
 
-def flight_recorder_dump() -> Optional[dict[str, Any]]:
-    """Flight Recorder's record of this process's collectives (its JSON dump, parsed), or None when this torch
-    has none or recorded nothing."""
-    import json
-
+def flight_recorder_dump() -> Optional[str]:
+    """Flight Recorder's record of this process's collectives as JSON text (collectives and stack traces
+    included), or None when this torch has none."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
     except ImportError:
         return None
     try:
-        dump = json.loads(_dump_fr_trace_json(True, True))
-    except (RuntimeError, ValueError):
+        return _dump_fr_trace_json(True, True)
+    except RuntimeError:
         return None
-    return dump if dump.get("entries") else None
 
 
 def below_autograd() -> Any:
