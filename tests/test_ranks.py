@@ -204,6 +204,8 @@ def test_torchrun_names_the_rank_step_and_who_sent_it_into_ddps_all_reduce(tmp_p
     assert f["receivers"] == [0]
     assert "rank 1 sent" in proc.stderr and "rank 0 only received them" in proc.stderr
     assert report.rank(0).events  # rank 0's own report still lists what it saw (received, not a birth)
+    shown = report._repr_mimebundle_()  # in a notebook: the findings over a tab per rank with its own widget
+    assert "application/vnd.jupyter.widget-view+json" in shown and "rank 1 sent" in shown["text/plain"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rank-0.json", "rank-1.json", "report.html",
                                                                     "report.json"]
 

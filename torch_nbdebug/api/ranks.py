@@ -178,7 +178,8 @@ class RankSession:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             doc = data.read(self.out)
-            if len(doc["ranks"]) >= self.world_size and all(p["status"] != "running" for p in doc["ranks"]):
+            if len(doc["ranks"]) >= self.world_size and not any(p["status"] == "running" and _alive(p)
+                                                                 for p in doc["ranks"]):
                 break
             time.sleep(0.05)
         report = RunReport(data.read(self.out))
@@ -262,6 +263,23 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _alive(part: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``part`` may still write again (a rank on another host: assume so)."""
+    if part.get("host") != socket.gethostname() or not part.get("pid"):
+        return True
+    try:
+        os.kill(part["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # killed but not yet reaped by its parent: a zombie writes nothing more
+        with open(f"/proc/{part['pid']}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _one_line(exc: Optional[BaseException]) -> Optional[str]:
