@@ -181,6 +181,12 @@ def test_notebook_reports_round_trip_through_to_json_and_load(tmp_path: pathlib.
         del a
     path.write_text(tl.to_json())
     assert torch_nbdebug.load(path).to_dict() == tl.to_dict()
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    report_g = torch_nbdebug.grads(model)
+    for text in (report_g.to_json(), report_g.trace.to_json()):  # the document, and a bare trace as before
+        path.write_text(text)
+        assert torch_nbdebug.load(path).trace.to_dict() == report_g.trace.to_dict()
     path.write_text('{"schema": "torch_nbdebug.report", "version": 99, "tool": "nanwatch"}')
     with pytest.raises(ValueError, match="version 99"):
         torch_nbdebug.load(path)
