@@ -2,7 +2,8 @@
 rank file and hang watchdog; and ``load(DIR or file)``, which gives the report back.
 
 A rank writes ``DIR/rank-R.json`` (atomically) before each collective (its births encoded again only when
-there are new ones), at exit, on SIGTERM and when it hangs; rank 0 merges the rank files into ``DIR/report.json`` and ``DIR/report.html`` at exit (it reads
+there are new ones), at exit, on SIGTERM and when it hangs; rank 0 merges the rank files into
+``DIR/report.json`` and ``DIR/report.html`` at exit (it reads
 files, never a collective that may hang); :func:`load` merges them again, so a report is complete even
 when rank 0 died first.
 """

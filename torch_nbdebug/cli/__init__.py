@@ -88,7 +88,7 @@ def _code(args: Any, parser: argparse.ArgumentParser) -> tuple[types.CodeType, t
             parser.error(f"cannot run module {args.module}: {exc}")
         if spec is None or spec.loader is None:
             parser.error(f"no module named {args.module}")
-        code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+        code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]
         main.__spec__, main.__package__ = spec, spec.parent
         main.__file__ = spec.origin or args.module
         return code, main, [main.__file__] + list(args.args)
@@ -123,8 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     saved = sys.argv, sys.modules.get("__main__"), list(sys.path)
     sys.argv = script_argv
     sys.modules["__main__"] = main_module
-    sys.path.insert(0, os.path.dirname(main_module.__file__) if args.module is None else os.getcwd())
-    status, error = 0, None
+    sys.path.insert(0, os.path.dirname(main_module.__file__ or "") if args.module is None else os.getcwd())
+    status, error = 0, None  # type: tuple[int, Optional[BaseException]]
     try:
         session.start()
         try:

@@ -14,7 +14,8 @@ One schema for a notebook's ``report.to_json()``, a script's ``DIR/report.json``
             "births": [{"step", "order", "event": NanEvent.to_dict()}] (nanwatch; written as they happen),
             "collectives": [COLLECTIVE, ...] (the last 64), "collectives_total": int,
             "sent": [COLLECTIVE, ...] (the first 16 collectives this rank sent non-finite values into),
-            "hang": COLLECTIVE + {"waited_s", "flight_recorder": FR | null} | null, "stacks": [{"thread", "main", "frames": [...]}] | null,
+            "hang": COLLECTIVE + {"waited_s", "flight_recorder": FR | null} | null,
+            "stacks": [{"thread", "main", "frames": [...]}] | null,
             "notes": [str]}
     COLLECTIVE = {"seq" (1-based, per rank), "op" ("allreduce"), "aten", "step", "bucket" (DDP bucket index
                   in backward, else null), "shapes", "dtypes", "sent_nonfinite", "file", "line", "function",

@@ -65,7 +65,8 @@ def _sent(ranks: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
                             receivers=[r for r in range(world) if r not in senders]))
     out.sort(key=lambda s: (s["step"], s["seq"]))
     # a rank that sent or received non-finite values before only passes them on: keep where they came from
-    origins, seen = [], set()
+    origins: list[dict[str, Any]] = []
+    seen: set[int] = set()
     for s in out:
         if any(r not in seen for r in s["senders"]):
             origins.append(s)
@@ -118,7 +119,8 @@ def _hang(ranks: list[dict[str, Any]], world: int) -> Optional[dict[str, Any]]:
             done = part.get("collectives_total", 0)
             missing.append({"rank": r, "why": BEHIND.format(rank=r, where=f"{done} collectives done, "
                                                                      f"status {part['status']}")})
-    return {"seq": seq, "op": op, "step": hang["step"], "bucket": hang.get("bucket"), "file": hang.get("file"), "line": hang.get("line"),
+    return {"seq": seq, "op": op, "step": hang["step"], "bucket": hang.get("bucket"), "file": hang.get("file"),
+            "line": hang.get("line"),
             "shapes": hang.get("shapes"), "waited_s": hang.get("waited_s"), "waiting": in_it, "missing": missing,
             "flight_recorder": hang.get("flight_recorder")}
 
@@ -133,6 +135,6 @@ def _memory(ranks: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not peaks:
         return None
     high, low = max(peaks.values()), min(peaks.values())
-    return {"peaks": {str(r): b for r, b in sorted(peaks.items())}, "max_rank": max(peaks, key=peaks.get),
-            "min_rank": min(peaks, key=peaks.get), "imbalance_bytes": high - low,
+    return {"peaks": {str(r): b for r, b in sorted(peaks.items())}, "max_rank": max(peaks, key=lambda r: peaks[r]),
+            "min_rank": min(peaks, key=lambda r: peaks[r]), "imbalance_bytes": high - low,
             "imbalance_ratio": (high / low) if low else None}

@@ -80,7 +80,8 @@ def nonfinite(tensors: list[Any]) -> int:
 
 
 COLLECTIVES = ("allreduce_", "allreduce_coalesced_", "allgather_", "allgather_coalesced_",
-               "allgather_into_tensor_coalesced_", "_allgather_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
+               "allgather_into_tensor_coalesced_", "_allgather_base_", "reduce_scatter_",
+               "reduce_scatter_tensor_coalesced_",
                "_reduce_scatter_base_", "reduce_", "broadcast_", "gather_", "scatter_", "alltoall_", "alltoall_base_",
                "barrier", "monitored_barrier_", "send", "recv_", "recv_any_source_")
 
@@ -235,7 +236,8 @@ class CollectiveLog:
             if waited >= timeout:
                 info = _plain(pending)
                 info["waited_s"] = round(waited, 3)
-                self._on_hang(info)  # writes the rank file and ends the process
+                if self._on_hang is not None:
+                    self._on_hang(info)  # writes the rank file and ends the process
                 return
 
 

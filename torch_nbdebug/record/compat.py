@@ -29,8 +29,8 @@ from torch_nbdebug.errors import NbdebugError
 __all__ = [
     "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
     "TorchVersionError", "at_least", "below_autograd", "bind", "compiled_callables", "cuda_history_enabled",
-    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "drop_library",
-    "dynamo_loaded", "FLIGHT_RECORDER_ENV", "flight_recorder_dump",
+    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len",
+    "drop_library", "dynamo_loaded", "FLIGHT_RECORDER_ENV", "flight_recorder_dump",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
