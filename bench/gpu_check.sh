@@ -8,7 +8,8 @@
 # deterministic GPT step identical and run once, its cost) and bench/gpu_grads.py (record_gradients
 # next to the foreach-norm anchor on both models, and its host synchronisations) and bench/gpu_profile.py
 # (%%profile: the sync verdict on a step reading .item(), kernels on lines, its cost), each under its own
-# time limit and all within one budget of 218 s, and prints what each printed. The repository
+# time limit and all within one budget of 218 s, and prints what each printed. With 2 GPUs or more it
+# then runs bench/gpu_ranks.py under torchrun on NCCL (skipped, with a message, on fewer). The repository
 # root is put on PYTHONPATH so the package needs no install on a machine that already has torch.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,4 +60,24 @@ for entry in "gpu_nanwatch.py 65" "gpu_memory.py 80" "gpu_repro.py 30" "gpu_grad
         *) echo "----- $script: FAILED with exit code $rc"; status=1 ;;
     esac
 done
+
+# NCCL across ranks (bench/gpu_ranks.py): DDP on 2 GPUs under torchrun -m torch_nbdebug nanwatch, and the
+# merged report must name the rank, step and op of the birth and who sent it into the all-reduce.
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$gpus" -lt 2 ]; then
+    echo "===== bench/gpu_ranks.py: skipped, NCCL across ranks needs 2 GPUs and this machine has $gpus"
+else
+    out="$(mktemp -d)"
+    echo "===== bench/gpu_ranks.py (NCCL, 2 ranks, limit 90s) ====="
+    timeout --kill-after=5 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m torch_nbdebug nanwatch --out "$out" bench/gpu_ranks.py > "$out/torchrun.log" 2>&1
+    rc=$?
+    tail -n 5 "$out/torchrun.log"
+    if [ "$rc" -ne 0 ] || ! "$PY" bench/gpu_ranks.py --check "$out"; then
+        echo "----- bench/gpu_ranks.py: FAILED (torchrun exit $rc; log and report in $out)"
+        status=1
+    else
+        echo "----- bench/gpu_ranks.py: ok"
+    fi
+fi
 exit "$status"

@@ -10,6 +10,7 @@ In a notebook: ``%load_ext torch_nbdebug``. In Python, each magic has a twin:
 - ``with explain() as ex:`` / ``explain_exception(exc)`` — where and why a PyTorch error happened (``%explain``)
 - ``with monitor("loss") as mon:`` — values and per-layer gradients at every optimizer step, live (``%%monitor``)
 - ``with profile() as prof:`` — why a training step is slow: a verdict, the line and the module (``%%profile``)
+- ``load(path)`` — a report written by ``python -m torch_nbdebug TOOL script.py`` (all ranks) or ``to_json()``
 - ``to_tensorboard(result, logdir)`` — write a monitor, gradient trace, memory timeline or nanwatch report for TensorBoard
 
 Names are imported lazily so ``import torch_nbdebug`` stays cheap and pulls in no widget code.
@@ -53,6 +54,8 @@ _EXPORTS = {
     "profile": "torch_nbdebug.api.profile",
     "Profile": "torch_nbdebug.api.profile",
     "to_tensorboard": "torch_nbdebug.api.tensorboard",
+    "load": "torch_nbdebug.api.ranks",
+    "RunReport": "torch_nbdebug.api.ranks",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

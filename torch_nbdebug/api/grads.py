@@ -108,6 +108,13 @@ class GradReport(Displayable):
 
         return render.widget(self.trace, self.flags, self.start_layer)
 
+    def to_json(self) -> str:
+        """The trace as the versioned JSON document a script run writes (``torch_nbdebug.load`` reads it; the
+        bare trace is ``.trace.to_json()``)."""
+        from torch_nbdebug.data.ranks import to_json
+
+        return to_json("grads", self.trace.to_dict())
+
     def to_tensorboard(self, logdir: Any) -> str:
         """Write per-layer gradient norms and update ratios per step, and per-parameter histograms,
         as TensorBoard event files in ``logdir`` (returns it); needs

@@ -46,6 +46,12 @@ class MemoryTimeline(Displayable, data.MemoryTimeline):
 
         return TimelineView(self)
 
+    def to_json(self) -> str:
+        """The timeline as the versioned JSON document a script run writes (``torch_nbdebug.load`` reads it)."""
+        from torch_nbdebug.data.ranks import to_json
+
+        return to_json("cudamem", self.to_dict())
+
     def to_tensorboard(self, logdir: Any) -> str:
         """Write bytes by category over time and the peak as TensorBoard event files in ``logdir``
         (returns it); needs ``pip install torch_nbdebug[tensorboard]``. See torch_nbdebug.api.tensorboard."""

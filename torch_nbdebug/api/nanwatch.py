@@ -86,6 +86,12 @@ class NanReport(Displayable):
     def to_dict(self) -> dict[str, Any]:
         return self.summary.to_dict()
 
+    def to_json(self) -> str:
+        """The report as the versioned JSON document a script run writes (``torch_nbdebug.load`` reads it)."""
+        from torch_nbdebug.data.ranks import to_json
+
+        return to_json("nanwatch", self.to_dict())
+
     def to_tensorboard(self, logdir: Any) -> str:
         """Write the births (as a text table) as TensorBoard event files in ``logdir`` (returns it);
         needs ``pip install torch_nbdebug[tensorboard]``. See torch_nbdebug.api.tensorboard."""

@@ -212,6 +212,39 @@ class MemoryTimeline:
             "allocator": dict(self.allocator),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MemoryTimeline":
+        """The timeline :meth:`to_dict` wrote (without the allocator snapshot, which is never written)."""
+        if list(d.get("categories", CATEGORIES)) != list(CATEGORIES):
+            raise ValueError("this memory timeline was saved by another version of torch_nbdebug (categories differ)")
+        samples = d["samples"]
+        steps = np.asarray(samples["step"], dtype=np.int64)
+        by_category = np.zeros((len(steps), len(CATEGORIES)), np.int64)
+        for i, c in enumerate(CATEGORIES):
+            by_category[:, i] = samples["by_category"][c]
+        reserved = samples.get("reserved")
+        return cls(device=d["device"], note=d.get("note", ""), steps=steps,
+                   time_s=np.asarray(samples["time_s"], dtype=np.float64), by_category=by_category,
+                   reserved=None if reserved is None else np.asarray(reserved, dtype=np.int64),
+                   start_bytes=d["start_bytes"], final_bytes=d["final_bytes"], peak_bytes=d["peak_bytes"],
+                   peak_step=d["peak_step"], peak_allocations=tuple(_allocation(a) for a in d["peak_allocations"]),
+                   category_totals=d.get("category_totals", {}), phases=tuple(PhaseSpan(**p) for p in d["phases"]),
+                   iterations=d.get("iterations", 0), leaks=tuple(_leak(leak) for leak in d.get("leaks", ())),
+                   duration_s=d.get("duration_s", 0.0), allocator=dict(d.get("allocator") or {}))
+
+
+def _line(d: Optional[dict[str, Any]]) -> Optional[SourceLine]:
+    return SourceLine(**d) if d else None
+
+
+def _allocation(d: dict[str, Any]) -> Allocation:
+    return Allocation(**dict(d, shape=tuple(d["shape"]), line=_line(d.get("line"))))
+
+
+def _leak(d: dict[str, Any]) -> Leak:
+    return Leak(**dict(d, names=tuple(d["names"]), allocation_ids=tuple(d["allocation_ids"]),
+                       line=_line(d.get("line"))))
+
 
 @dataclass(frozen=True)
 class LiveTensor:

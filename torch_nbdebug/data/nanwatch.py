@@ -4,7 +4,7 @@ Nothing here holds a tensor: statistics are :class:`TensorStats`, places are str
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional
 
 from torch_nbdebug.data.source import line_label
@@ -126,6 +126,15 @@ class NanEvent:
         data["title"] = self.title()
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "NanEvent":
+        """The event :meth:`to_dict` wrote (keys this version does not know are ignored)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["inputs"] = tuple(TensorStats.from_dict(s) for s in data.get("inputs") or ())
+        values["output"] = TensorStats.from_dict(data["output"]) if data.get("output") else None
+        return cls(**values)
+
 
 def _at(event: NanEvent, line: Optional[str] = None) -> str:
     bits = []
@@ -158,6 +167,11 @@ class LayerStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayerStats":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -222,3 +236,16 @@ class NanSummary:
             "cell": self.cell,
             "cells": {name: number for name, number in self.cells},
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "NanSummary":
+        """The summary :meth:`to_dict` wrote: ``NanSummary.from_dict(s.to_dict()) == s``."""
+        return cls(events=tuple(NanEvent.from_dict(e) for e in data.get("events", ())),
+                   absorbed=tuple(NanEvent.from_dict(e) for e in data.get("absorbed", ())),
+                   layers=tuple(LayerStats.from_dict(layer) for layer in data.get("layers", ())),
+                   mode=data.get("mode", "op"), ops_seen=data.get("ops_seen", 0),
+                   ops_checked=data.get("ops_checked", 0), dropped=data.get("dropped", 0),
+                   notes=tuple(data.get("notes", ())), cell_filename=data.get("cell_filename"),
+                   cell_source=data.get("cell_source", ""), source_first_line=data.get("source_first_line", 1),
+                   sources=tuple((name, s["first_line"], s["text"]) for name, s in (data.get("sources") or {}).items()),
+                   options=dict(data.get("options") or {}))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 
@@ -55,6 +55,11 @@ class TensorStats:
         data = asdict(self)
         data["shape"] = list(self.shape)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TensorStats":
+        known = {f.name for f in fields(cls)}
+        return cls(**dict({k: v for k, v in data.items() if k in known}, shape=tuple(data["shape"])))
 
 
 def fmt_number(value: float, digits: int = 4) -> str:

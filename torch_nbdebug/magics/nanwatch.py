@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
@@ -34,6 +35,8 @@ class NanwatchMagics(Magics):
     @argument("-o", dest="return_report", action="store_true",
               help="return the report object (it is also stored as _nanwatch)")
     @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _nanwatch)")
+    @argument("--load", default=None, metavar="DIR",
+              help="line magic: show the report a script run wrote (python -m torch_nbdebug nanwatch --out DIR)")
     @line_cell_magic
     def nanwatch(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell and report where the first NaN/Inf was born: the op, module and line of yours.
@@ -49,7 +52,7 @@ class NanwatchMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.nanwatch, line)
         if cell is None:
-            return self._show_last(args)
+            return self._load(args) if args.load else self._show_last(args)
         # syntax, an empty cell and a top-level await are checked before anything is watched
         body = CellBody(self.shell, require_body(cell, "nanwatch"), "nanwatch")
         logdir = tensorboard_dir(args.tensorboard, "%%nanwatch")
@@ -80,6 +83,18 @@ class NanwatchMagics(Magics):
             write_tensorboard(report, logdir)
         if value is not None:
             display(value)
+        return report if args.return_report else None
+
+    def _load(self, args: Any) -> Any:
+        from torch_nbdebug.api.ranks import load
+
+        try:
+            report = load(args.load)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"%nanwatch --load: {exc}") from None
+        self.shell.user_ns["_nanwatch"] = report
+        if not args.quiet:
+            display(report)
         return report if args.return_report else None
 
     def _show_last(self, args: Any) -> Any:

@@ -28,8 +28,9 @@ from torch_nbdebug.errors import NbdebugError
 
 __all__ = [
     "FEATURES", "MIN_TORCH", "NO_SEQUENCE", "StorageWeakRef", "TORCH_VERSION", "TorchDispatchMode",
-    "TorchVersionError", "at_least", "bind", "compiled_callables", "cuda_history_enabled",
-    "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len", "dynamo_loaded",
+    "TorchVersionError", "at_least", "below_autograd", "bind", "compiled_callables", "cuda_history_enabled",
+    "collective_work", "cuda_memory_snapshot", "current_autograd_node", "dispatch_mode_at", "dispatch_stack_len",
+    "drop_library", "dynamo_loaded", "FLIGHT_RECORDER_ENV", "flight_recorder_dump",
     "floor_warning", "force_eager", "foreach_norm", "free_storage_weak_ref", "function_mode_at",
     "function_stack_len", "global_hook_warning", "is_compiled_module", "is_fake", "next_sequence_nr", "node_output_metadata",
     "node_saved_attributes", "node_sequence_nr", "op_arguments", "op_returns", "original_module",
@@ -250,6 +251,47 @@ pop_function_mode: Callable[[], Any] = bind(torch._C, "_pop_torch_function_stack
 """Take the innermost function mode off the stack (without running its ``__exit__``)."""
 push_function_mode: Callable[[Any], None] = bind(torch._C, "_push_on_torch_function_stack", "the function mode stack")
 """Put a mode taken off with :func:`pop_function_mode` back on top."""
+
+
+def collective_work(value: Any) -> Any:
+    """The ``Work`` (``is_completed()``, ``wait()``) of a c10d op's boxed result as a dispatch mode sees it
+    (a ``torch.ScriptObject``); None when it is none."""
+    try:
+        from torch._C._distributed_c10d import Work
+    except ImportError:  # torch built without distributed
+        return None
+    try:
+        return Work.unbox(value)
+    except (RuntimeError, TypeError):
+        return None
+
+
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""Flight Recorder records the collectives of process groups created while one of these is set (gloo and NCCL)."""
+
+
+def flight_recorder_dump() -> Optional[str]:
+    """Flight Recorder's record of this process's collectives as JSON text (collectives and stack traces
+    included), or None when this torch has none."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:
+        return None
+    try:
+        return _dump_fr_trace_json(True, True)
+    except RuntimeError:
+        return None
+
+
+def below_autograd() -> Any:
+    """A context in which an op called again skips the Autograd key (a kernel registered there calls the
+    op's real kernel this way, as torch.library's examples do)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def drop_library(lib: Any) -> None:
+    """Remove every kernel a ``torch.library.Library`` registered (the ops' own kernels are back)."""
+    lib._destroy()
 
 
 def pop_dispatch_mode() -> Any:
