@@ -169,6 +169,33 @@ def test_grads_records_the_scripts_model_found_by_name(tmp_path: pathlib.Path, m
     assert "no nn.Module named 'modle' was ever called" in capsys.readouterr().err
 
 
+SLOW_DATA = """
+import math, torch
+class Decoded(torch.utils.data.Dataset):
+    def __len__(self):
+        return 96
+    def __getitem__(self, i):
+        row = [math.sin(i * k) for k in range(20000)]
+        return torch.tensor(row[:4]), torch.tensor(row[4:5])
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in torch.utils.data.DataLoader(Decoded(), batch_size=16):
+    loss = (model(x) - y).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_profile_names_the_slow_dataset_line_of_a_script(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "train.py").write_text(SLOW_DATA)
+    proc = _cli("profile", "--warmup", "1", "--out", "o", "train.py", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    prof = torch_nbdebug.load(tmp_path / "o")
+    assert prof.verdict.kind == "data"
+    top = prof.by_line[0]
+    assert top.filename.endswith("train.py") and top.lineno == 7, top  # the decoding line
+    assert "report.json" in {p.name for p in (tmp_path / "o").iterdir()}
+
+
 def test_notebook_reports_round_trip_through_to_json_and_load(tmp_path: pathlib.Path) -> None:
     with torch_nbdebug.nanwatch() as report:
         torch.log(torch.zeros(3))

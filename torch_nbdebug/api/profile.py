@@ -120,9 +120,13 @@ class Profile(Displayable):
                              f"{type(other).__name__}")
         return ProfileComparison(compare_data(other.data, self.data))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain data (what ``to_json`` writes and a script run's rank file holds)."""
+        return self.data.to_dict()
+
     def to_json(self) -> str:
         """The summary as JSON (``Profile.from_json`` reads it back)."""
-        return json.dumps(self.data.to_dict(), separators=(",", ":"))
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Profile":

@@ -96,6 +96,11 @@ def tool_object(tool: str, report: Optional[dict[str, Any]]) -> Any:
         from torch_nbdebug.data.grads import GradTrace
 
         return GradReport(GradTrace.from_dict(report))
+    if tool == "profile":
+        from torch_nbdebug.api.profile import Profile
+        from torch_nbdebug.data.profile import ProfileData
+
+        return Profile(None, 0, data=ProfileData.from_dict(report))
     raise ValueError(f"cannot load a {tool!r} report with this torch_nbdebug")
 
 

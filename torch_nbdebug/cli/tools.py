@@ -116,6 +116,12 @@ class LazyGradients:
                               f"name the global that holds the model with --model")
 
 
+def _profile(args: Any, namespace: Mapping[str, Any]) -> Started:
+    from torch_nbdebug.api.profile import profile
+
+    return Started(profile(namespace, steps=args.steps, warmup=args.warmup, trace=args.trace, tidy=args.tidy))
+
+
 def _grads(args: Any, namespace: Mapping[str, Any]) -> Started:
     return Started(LazyGradients(args, namespace))
 
@@ -132,4 +138,6 @@ TOOLS: dict[str, Tool] = {
                   skip=("model", "-o", "--tensorboard"),
                   extra=((("--model",), dict(required=True, metavar="NAME",
                                              help="the global variable of the script that holds the model")),)),
+    "profile": Tool("profile", "why a training step is slow: verdict, line and module, per rank (%%profile)",
+                    ("torch_nbdebug.magics.profile", "ProfileMagics", "profile"), _profile),
 }
