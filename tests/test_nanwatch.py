@@ -177,7 +177,7 @@ def test_optimizer_step_births_with_parameter_name_and_iteration() -> None:
             opt.step()  # @opt-step
     first = report.first
     assert first.phase == "optimizer" and first.param == "model.weight" and first.iteration == 5
-    assert first.step == 5 and first.op == "SGD.step" and first.module == "model"
+    assert first.step == 4 and first.op == "SGD.step" and first.module == "model"  # four steps before it (one step axis)
     assert first.lineno == line("# @opt-step")
     assert "learning rate" in first.hint and "gradient finite" in first.detail
     assert {e.phase for e in report.events} == {"optimizer"}

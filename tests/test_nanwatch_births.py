@@ -123,7 +123,7 @@ def test_cause_of_reads_fields_only(event: NanEvent, cause: str) -> None:
 
 def test_hints_use_the_structured_fields() -> None:
     grown = _event(op="aten.pow.Tensor_Scalar", kind="inf", lr=1e6, lr_step=9, iteration=10)
-    assert "lr=1e+06" in hint(grown) and "step 9" in hint(grown) and "iteration 10" in hint(grown)
+    assert "lr=1e+06" in hint(grown) and "optimizer step 8" in hint(grown) and "in step 9" in hint(grown)  # from 0
     buffer = _event("input", param="net.2.running_var", param_kind="buffer", cause="nonfinite_buffer")
     assert "net.2.running_var" in hint(buffer) and "reset_running_stats" in hint(buffer)
     assert "data" in hint(_event("input", detail="non-finite parameter model.0.weight"))

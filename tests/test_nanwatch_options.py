@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from torch_nbdebug.api.nanwatch import nanwatch
+from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.errors import InputError, NanBirthError
 from nanwatch_paths import marker_line, watch_kind  # noqa: F401 - every test under both op-mode watches
 from torch_nbdebug.record.modules import global_hook_counts
@@ -83,6 +84,25 @@ def test_iteration_of_a_forward_birth_in_a_loop() -> None:
             out = model(xb) * torch.sqrt(xb + 3.0)  # @loop-birth
             out.sum().backward()
     assert report.first.iteration == 3 and report.first.lineno == line("# @loop-birth")
+
+
+def test_a_birth_is_numbered_on_the_one_step_axis_of_every_tool() -> None:
+    """Issue 28: a NaN made at the loop's ``step == 2`` (two optimizer steps before it) reads "step 2" in the
+    report, its text, its JSON and its optimizer births, as %%monitor and %%grads number the same loop."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch() as report:
+        for step in range(4):
+            xb = torch.full((1, 2), -5.0) if step == 2 else torch.ones(1, 2)
+            out = model(xb) * torch.sqrt(xb + 3.0)  # @step-birth
+            opt.zero_grad()
+            out.sum().backward()
+            opt.step()
+    first = report.first
+    assert (first.phase, first.step, first.lineno) == ("forward", 2, line("# @step-birth"))
+    assert first.to_dict()["step"] == 2 and "forward, step 2" in report.html()
+    fifth = NanEvent(phase="optimizer", op="SGD.step", kind="inf", iteration=5, param="model.weight")
+    assert fifth.step == 4 and "born in optimizer step 4" in fifth.title()  # the 5th step: 4 before it
 
 
 # -- the deferred path (what CUDA uses), exercised on CPU ---------------------------------------------

@@ -40,7 +40,7 @@ def test_hints_name_cause_and_fix() -> None:
     assert "sqrt" in hint(_event(phase="backward", op="SqrtBackward0", forward_op="aten.sqrt.default"))
     assert "data" in hint(_event(phase="input"))
     opt = _event(phase="optimizer", op="Adam.step", param="model.fc.weight", iteration=7, detail="lr=10, gradient finite")
-    assert "learning rate" in hint(opt) and "step 7" in hint(opt)
+    assert "learning rate" in hint(opt) and "step 6" in hint(opt)  # iteration 7: six steps before it
 
 
 def test_summarize_watch_splits_absorbed_and_marks_the_birth_row() -> None:

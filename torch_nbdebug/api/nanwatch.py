@@ -238,8 +238,8 @@ def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
         yield (f"checking stopped after the first {opts.max_events} births (raise the limit with "
                f"max_events= / --max-events)")
     if log.scaler_skips:
-        steps = ", ".join(str(i) for i in sorted(log.scaler_skips)[:10])
-        yield (f"GradScaler skipped the optimizer step in iteration(s) {steps} because of inf/NaN gradients "
+        steps = ", ".join(str(i - 1) for i in sorted(log.scaler_skips)[:10])
+        yield (f"GradScaler skipped the optimizer step in step(s) {steps} because of inf/NaN gradients "
                "(its normal loss-scale calibration): those backward births are listed as absorbed")
     if rec.other_thread:
         yield ("modules also ran in another thread: nanwatch checks the ops of the thread that runs the "

@@ -179,10 +179,10 @@ def write_memory(writer: Any, timeline: TimelineData, rules: Rules = Rules()) ->
 
 
 def write_nanwatch(writer: Any, summary: NanSummary, rules: Rules = Rules()) -> None:
-    rows = ["| # | phase | op | module | line |", "|---|---|---|---|---|"]
+    rows = ["| # | phase | step | op | module | line |", "|---|---|---|---|---|---|"]
     for k, event in enumerate(summary.events, 1):
         where = f"{event.filename}:{event.lineno} `{event.line.strip()}`" if event.lineno else ""
-        cells = [str(k), event.phase, event.op, event.module or "", where]
+        cells = [str(k), event.phase, str(event.step), event.op, event.module or "", where]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     text = "\n".join(rows) if summary.events else "no NaN or Inf was born"
     writer.add_text("nanwatch/births", text, 0)

@@ -50,7 +50,9 @@ class NanEvent:
     (``SqrtBackward0``) in backward, ``Adam.step`` for the optimizer, and the consuming op for
     ``"input"`` events. ``filename``/``lineno`` are the user's own line (a notebook cell line):
     for backward births, the forward line that created the node. ``iteration`` is 1-based: the
-    forward/backward pass (or optimizer step) of a loop in which the birth happened.
+    forward/backward pass (or optimizer step) of a loop in which the birth happened; ``step`` is what every
+    view, ``to_json`` and export show: the optimizer steps completed before it, from 0 (the one step axis
+    of every tool).
 
     Structured facts for the hint (never parsed back out of ``detail``, which is for people):
     ``cause``; ``param``/``param_kind`` for a parameter or buffer that carried it; ``lr``/``eps``/
@@ -91,8 +93,9 @@ class NanEvent:
 
     @property
     def step(self) -> int:
-        """Alias of ``iteration`` (the optimizer step for ``"optimizer"`` events)."""
-        return self.iteration
+        """The optimizer steps completed before the birth, from 0 (``iteration - 1``): the step every tool
+        shows. For an ``"optimizer"`` event, the step whose update made it."""
+        return self.iteration - 1
 
     @property
     def where(self) -> str:
@@ -116,11 +119,12 @@ class NanEvent:
         if self.phase == "input":
             return f"{what} already in the input data, first used by {self.op}" + _at(self, line)
         if self.phase == "optimizer":
-            return f"{what} born in optimizer step {self.iteration}: {self.param or '?'} ({self.op})"
+            return f"{what} born in optimizer step {self.step}: {self.param or '?'} ({self.op})"
         return f"{what} born in {self.phase}: {self.op}" + _at(self, line)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["step"] = self.step
         data["inputs"] = [s.to_dict() for s in self.inputs]
         data["output"] = self.output.to_dict() if self.output is not None else None
         data["title"] = self.title()

@@ -62,7 +62,7 @@ def _optimizer_hint(event: NanEvent) -> str:
     # 0/0 from a finite gradient is no step too large: only an overflow (or a bad gradient) is the lr's doing.
     fix = (" Lower the learning rate or fix the schedule, and clip gradients (torch.nn.utils.clip_grad_norm_)."
            if not grad_ok or event.kind == "inf" else " Check eps and the learning rate's value (not NaN/inf).")
-    return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.iteration}: "
+    return (f"{event.param or 'A parameter'} became {event.kind.upper()} in optimizer step {event.step}: "
             f"{why}{f' ({facts})' if facts else ''}.{fix}")
 
 

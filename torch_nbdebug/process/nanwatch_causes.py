@@ -169,8 +169,9 @@ def _lr_growth(event: NanEvent) -> str:
     lr = f"{event.lr:.4g}" if event.lr is not None else "?"
     what = ("the update overflowed" if event.phase == "optimizer" else
             "the weights grew so large that this op overflowed")
-    return (f"The learning rate grew to lr={lr} (optimizer step {event.lr_step}) and {what} in iteration "
-            f"{event.iteration}: check the scheduler (a warmup or multiplicative schedule without a cap) and "
+    grown = f"optimizer step {event.lr_step - 1}" if event.lr_step is not None else "an optimizer step"
+    return (f"The learning rate grew to lr={lr} ({grown}) and {what} in step "
+            f"{event.step}: check the scheduler (a warmup or multiplicative schedule without a cap) and "
             "lower the learning rate; clip gradients (torch.nn.utils.clip_grad_norm_).")
 
 
@@ -265,7 +266,7 @@ def _softplus(event: NanEvent) -> str:
 
 
 def _zero_gradient(event: NanEvent) -> str:
-    return (f"{event.param or 'A parameter'} became NaN in optimizer step {event.iteration} with eps=0: where its "
+    return (f"{event.param or 'A parameter'} became NaN in optimizer step {event.step} with eps=0: where its "
             "gradient is exactly 0 (a weight the loss does not use, an embedding row not in the batch) the "
             "adaptive step divides 0 by sqrt(v) = 0. The learning rate plays no part: keep eps > 0 (the default "
             "1e-8).")

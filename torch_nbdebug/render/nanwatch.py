@@ -63,7 +63,7 @@ def event_lines(e: NanEvent, s: NanSummary) -> list[str]:
 
 def short(e: NanEvent, s: NanSummary) -> str:
     where = " ".join(x for x in (e.module or e.param or "", s.line_label(e) if e.lineno else "") if x)
-    return f"[{e.phase}, iteration {e.iteration}] {e.kind.upper()} {e.op}" + (f" — {where}" if where else "")
+    return f"[{e.phase}, step {e.step}] {e.kind.upper()} {e.op}" + (f" — {where}" if where else "")
 
 
 # -- static HTML ---------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _where(e: NanEvent, s: NanSummary) -> str:
         bits.append(f"parameter <code>{esc(e.param)}</code>")
     if e.lineno is not None:
         bits.append(f"{esc(s.line_label(e))}: <code class='nw-line'>{esc(e.line)}</code>")
-    bits.append(f"{esc(_PHASE_LABEL.get(e.phase, e.phase))}, iteration {e.iteration}")
+    bits.append(f"{esc(_PHASE_LABEL.get(e.phase, e.phase))}, step {e.step}")
     return " · ".join(bits)
 
 
@@ -206,10 +206,10 @@ def layers_html(layers: tuple[LayerStats, ...]) -> str:
 
 
 def events_html(events: tuple[NanEvent, ...], title: str, s: NanSummary) -> str:
-    rows = [(str(i + 1), esc(_PHASE_LABEL.get(e.phase, e.phase)), str(e.iteration), bad(esc(_KIND_LABEL.get(e.kind, e.kind))),
+    rows = [(str(i + 1), esc(_PHASE_LABEL.get(e.phase, e.phase)), str(e.step), bad(esc(_KIND_LABEL.get(e.kind, e.kind))),
              f"<code>{esc(e.op)}</code>", f"<code>{esc(e.module or e.param)}</code>" if e.module or e.param else "",
              "" if e.lineno is None else esc(s.line_label(e))) for i, e in enumerate(events)]
-    head = ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
+    head = ["#", "phase", "step", "kind", "op", "module / parameter", "line"]
     return f"<h3>{esc(title)}</h3>{table(head, rows, numeric=[0, 2, 6], cls='nw-events')}"
 
 

@@ -92,7 +92,7 @@ function card(e, report) {
   if (e.module) where.push(h("code", { class: "nw-module" }, e.module), " · ");
   if (e.param) where.push("parameter ", h("code", {}, e.param), " · ");
   if (e.lineno !== null) where.push(h("span", { class: "nw-where-line" }, lineLabel(e, report)), ": ", h("code", { class: "nw-line" }, e.line || ""), " · ");
-  where.push(`${PHASE[e.phase] || e.phase}, iteration ${e.iteration}`);
+  where.push(`${PHASE[e.phase] || e.phase}, step ${e.step}`);
   const what = [h("b", {}, e.kind === "nan" ? "NaN" : "Inf"), " from ", h("code", { class: "nw-op" }, e.op)];
   if (e.aten_op && e.aten_op !== e.op) what.push(" (", h("code", {}, e.aten_op), ")");
   if (e.detail) what.push(" ", h("span", { class: "muted" }, e.detail));
@@ -181,7 +181,7 @@ function layers(report, e) {
 function events(report, selected, select) {
   if (!report.events.length) return null;
   const numeric = [true, false, true, false, false, false, false];
-  const head = h("tr", {}, ["#", "phase", "iteration", "kind", "op", "module / parameter", "line"]
+  const head = h("tr", {}, ["#", "phase", "step", "kind", "op", "module / parameter", "line"]
     .map((c, k) => h("th", { class: numeric[k] ? "num" : "" }, c)));
   const onKey = (i) => (evt) => {
     if (evt.key !== "Enter" && evt.key !== " ") return;
@@ -193,7 +193,7 @@ function events(report, selected, select) {
     class: i === selected ? "mark nw-event" : "nw-event", title: "show in the card", tabindex: "0",
     "data-index": String(i), "aria-current": i === selected ? "true" : null, "data-lm-suppress-shortcuts": "true",
     onclick: () => select(i), onkeydown: onKey(i),
-  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.iteration), KIND[e.kind] || e.kind, e.op, e.module || e.param || "",
+  }, [String(i + 1), PHASE[e.phase] || e.phase, String(e.step), KIND[e.kind] || e.kind, e.op, e.module || e.param || "",
     e.lineno === null || e.lineno === undefined ? "" : lineLabel(e, report)]
     .map((c, k) => h("td", { class: k === 4 || k === 5 ? "mono" : k === 3 ? "bad" : numeric[k] ? "num" : "" }, String(c)))));
   return [h("h3", {}, `All births (${report.events.length})`),
