@@ -7,9 +7,9 @@ from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.process.nanwatch import cause_of, hint
-from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, is_mask, judge, judge_absorb, judge_gradient,
+from torch_nbdebug.record.nanwatch.core.rules import (InputFact, OpFacts, is_mask, judge, judge_absorb, judge_gradient,
                                                   judge_module, keeps_backward_birth)
-from torch_nbdebug.record.nanwatch_log import EventLog
+from torch_nbdebug.record.nanwatch.core.log import EventLog
 
 FINE = InputFact(bad=False, nan=False, neg_inf_only=False, external=False, from_absorbed=False)
 NAN_DATA = InputFact(bad=True, nan=True, neg_inf_only=False, external=True, from_absorbed=False)

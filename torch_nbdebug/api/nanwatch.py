@@ -12,7 +12,7 @@ from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
 from torch_nbdebug.record.compiled import CompiledCode
-from torch_nbdebug.record.nanwatch import NanRecorder
+from torch_nbdebug.record.nanwatch.recorder import NanRecorder
 from torch_nbdebug.record.source import UserNamespace, caller_frame, caller_namespace, cell_source, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 

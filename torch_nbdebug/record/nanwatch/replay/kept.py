@@ -28,11 +28,11 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import Place, here
-from torch_nbdebug.record.nanwatch_layers import stat_parts
-from torch_nbdebug.record.nanwatch_ops import read_together, version_of
-from torch_nbdebug.record.nanwatch_replay import Call, Start, capture
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import Place, here
+from torch_nbdebug.record.nanwatch.core.layers import stat_parts
+from torch_nbdebug.record.nanwatch.core.ops import read_together, version_of
+from torch_nbdebug.record.nanwatch.replay.forward import Call, Start, capture
 
 _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with very many module calls)
 

@@ -15,7 +15,7 @@ import torch
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
-from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
+from torch_nbdebug.record.nanwatch.core.rules import OpPhase, Verdict
 from torch_nbdebug.record.source import is_user_code, line_of, user_frame
 from torch_nbdebug.record.stats import summarize
 

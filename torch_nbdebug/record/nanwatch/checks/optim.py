@@ -19,14 +19,14 @@ import torch
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import module_roots, parameter_names
-from torch_nbdebug.record.nanwatch_context import WatchContext
-from torch_nbdebug.record.nanwatch_ops import any_nonfinite, checkable
-from torch_nbdebug.record.nanwatch_events import Place, Shape, here, make_event
+from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.ops import any_nonfinite, checkable
+from torch_nbdebug.record.nanwatch.core.events import Place, Shape, here, make_event
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.stats import summarize
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
+    from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
 
 GRAD_GONE = ("the gradient was freed (zero_grad) before the deferred check was read: only whether it was "
              "finite is known")

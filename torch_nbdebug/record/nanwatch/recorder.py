@@ -20,23 +20,23 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.interrupts import deferred_interrupts
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.nanwatch_amp import AmpChecks
-from torch_nbdebug.record.nanwatch_backward import BackwardGate, BackwardWatch
-from torch_nbdebug.record.nanwatch_context import Clock, Mode, WatchOptions
-from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
-from torch_nbdebug.record.nanwatch_events import Place, here
-from torch_nbdebug.record.nanwatch_immediate import ImmediateChecks
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder
-from torch_nbdebug.record.nanwatch_log import EventLog
-from torch_nbdebug.record.nanwatch_mode import OpWatchMode
-from torch_nbdebug.record.nanwatch_modules import HALF_UNWATCHED, ModuleChecks
-from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch_replay import (Replayer, relocate, replay_call, user_line, why_not_replayable,
+from torch_nbdebug.record.nanwatch.checks.amp import AmpChecks
+from torch_nbdebug.record.nanwatch.replay.backward import BackwardGate, BackwardWatch
+from torch_nbdebug.record.nanwatch.context import Clock, Mode, WatchOptions
+from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
+from torch_nbdebug.record.nanwatch.core.events import Place, here
+from torch_nbdebug.record.nanwatch.checks.immediate import ImmediateChecks
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
+from torch_nbdebug.record.nanwatch.core.log import EventLog
+from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode
+from torch_nbdebug.record.nanwatch.modules.checks import HALF_UNWATCHED, ModuleChecks
+from torch_nbdebug.record.nanwatch.checks.optim import LearningRates, OptimizerWatch
+from torch_nbdebug.record.nanwatch.replay.forward import (Replayer, relocate, replay_call, user_line, why_not_replayable,
                                                   with_forward)
-from torch_nbdebug.record.nanwatch_storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
 
 _get_sequence_nr = compat.next_sequence_nr
 _stack_len = compat.dispatch_stack_len

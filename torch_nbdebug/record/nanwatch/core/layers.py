@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import LayerStats
-from torch_nbdebug.record.nanwatch_ops import HALF, checkable, read_together
+from torch_nbdebug.record.nanwatch.core.ops import HALF, checkable, read_together
 
 _isfinite = math.isfinite
 

@@ -14,11 +14,11 @@ from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
-from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
-from torch_nbdebug.record.nanwatch_events import Place, Site, backward_site, forward_site, site_event
-from torch_nbdebug.record.nanwatch_log import EventLog
-from torch_nbdebug.record.nanwatch_params import carriers
-from torch_nbdebug.record.nanwatch_storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.core.rules import OpPhase, Verdict
+from torch_nbdebug.record.nanwatch.core.events import Place, Site, backward_site, forward_site, site_event
+from torch_nbdebug.record.nanwatch.core.log import EventLog
+from torch_nbdebug.record.nanwatch.core.params import carriers
+from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
 
 
 Mode = Literal["op", "module"]

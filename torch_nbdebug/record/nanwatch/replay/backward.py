@@ -44,10 +44,10 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_backward_calls import (OWN_TENSOR_HOOKS, CallChecks, finite as _finite,
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.replay.calls import (OWN_TENSOR_HOOKS, CallChecks, finite as _finite,
                                                           may_hold_birth)
-from torch_nbdebug.record.nanwatch_replay import at_place
+from torch_nbdebug.record.nanwatch.replay.forward import at_place
 
 __all__ = ["BackwardGate", "BackwardWatch", "may_hold_birth"]
 

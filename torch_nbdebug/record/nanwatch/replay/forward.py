@@ -25,11 +25,11 @@ from typing import Any, Callable, Collection, Iterator, Optional
 import torch
 
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import here
-from torch_nbdebug.record.nanwatch_params import bad_parameters
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import here
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.source import line_of
-from torch_nbdebug.record.nanwatch_ops import propagating_sum
+from torch_nbdebug.record.nanwatch.core.ops import propagating_sum
 
 
 @dataclass(slots=True)

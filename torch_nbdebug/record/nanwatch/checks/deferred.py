@@ -21,15 +21,15 @@ from typing import Any, Callable, Literal, NamedTuple, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb,
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import (InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb,
                                                   judge_gradient, judge_module)
-from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
-from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
-from torch_nbdebug.record.nanwatch_layers import Later
-from torch_nbdebug.record.nanwatch_inside import as_when_left
-from torch_nbdebug.record.nanwatch_modules import module_event
-from torch_nbdebug.record.nanwatch_params import bad_parameters
+from torch_nbdebug.record.nanwatch.context import NodeDone, WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch.core.events import Place, Shape, Site, here, make_event, node_input_producer, producer
+from torch_nbdebug.record.nanwatch.core.layers import Later
+from torch_nbdebug.record.nanwatch.replay.inside import as_when_left
+from torch_nbdebug.record.nanwatch.modules.checks import module_event
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.tensors import storage_key
 
 _MAX_QUEUE = 4096  # read earlier when this many checks wait

@@ -12,8 +12,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.errors import NanBirthError
-from torch_nbdebug.record.nanwatch_births import keeps_backward_birth
-from torch_nbdebug.record.nanwatch_events import birth_message
+from torch_nbdebug.record.nanwatch.core.rules import keeps_backward_birth
+from torch_nbdebug.record.nanwatch.core.events import birth_message
 
 
 class EventLog:

@@ -20,11 +20,11 @@ import torch
 
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import stats_of
-from torch_nbdebug.record.nanwatch_modules import float_leaves
-from torch_nbdebug.record.nanwatch_optim import nonfinite_norms
-from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import stats_of
+from torch_nbdebug.record.nanwatch.modules.checks import float_leaves
+from torch_nbdebug.record.nanwatch.checks.optim import nonfinite_norms
+from torch_nbdebug.record.nanwatch.replay.forward import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
                                                   why_not_replayable)
 
 _STRIDED = torch.strided

@@ -17,19 +17,19 @@ from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
-from torch_nbdebug.record.nanwatch_context import WatchContext
-from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
-from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
-from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
-from torch_nbdebug.record.nanwatch_params import bad_parameters, carriers
-from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import Verdict, judge_gradient, judge_module
+from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.events import Place, here, kind_of, make_event, stats_of
+from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck, as_when_left, made_since
+from torch_nbdebug.record.nanwatch.replay.kept import CallSite, Kept, KeptReadings
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, Later, first_float_tensor, stat_values
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters, carriers
+from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
+    from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
 
 _isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early

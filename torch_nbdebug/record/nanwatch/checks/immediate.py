@@ -1,7 +1,7 @@
 """The immediate check path (CPU): a flagged op is judged at once, while its tensors are alive.
 
 The recorder's hot path has already found a non-finite output sum; here the inputs are read, the facts
-go to :func:`~torch_nbdebug.record.nanwatch_births.judge`, and the event goes to the log. A backward
+go to :func:`~torch_nbdebug.record.nanwatch.core.rules.judge`, and the event goes to the log. A backward
 birth waits for its autograd node to finish (a post hook on the node reads the gradients it made).
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import InputFact, OpFacts, OpPhase, judge, judge_absorb
-from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
-from torch_nbdebug.record.nanwatch_events import node_input_producer, producer, stats_of
-from torch_nbdebug.record.nanwatch_params import copied_from
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import InputFact, OpFacts, OpPhase, judge, judge_absorb
+from torch_nbdebug.record.nanwatch.context import NodeDone, WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch.core.events import node_input_producer, producer, stats_of
+from torch_nbdebug.record.nanwatch.core.params import copied_from
 from torch_nbdebug.record.stats import summarize
 from torch_nbdebug.record.tensors import storage_key
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import Cause, ParamKind
-from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.modules import compiled_original, module_roots
 from torch_nbdebug.record.tensors import storage_key
 

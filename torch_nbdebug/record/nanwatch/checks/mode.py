@@ -8,7 +8,7 @@ import torch
 from torch_nbdebug.record.compat import EagerDispatchMode
 
 from torch_nbdebug.errors import NanBirthError
-from torch_nbdebug.record.nanwatch_ops import pre_state
+from torch_nbdebug.record.nanwatch.core.ops import pre_state
 
 
 class OpWatchMode(EagerDispatchMode):

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_kept import Kept
-from torch_nbdebug.record.nanwatch_replay import Replayer
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.replay.kept import Kept
+from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+    from torch_nbdebug.record.nanwatch.modules.checks import ModuleChecks
 
 _isfinite = math.isfinite
 
