@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Protocol, Sequence
 
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.errors import NanBirthError
@@ -16,6 +16,7 @@ from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
 from torch_nbdebug.record.nanwatch.core.rules import OpPhase, Verdict
 from torch_nbdebug.record.nanwatch.core.events import Place, Site, backward_site, forward_site, site_event
+from torch_nbdebug.record.nanwatch.core.layers import Later
 from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.core.params import carriers
 from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
@@ -152,3 +153,13 @@ class NodeDone:
             raise
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
             self.checks.ctx.internal_error("a backward node's gradients", exc)
+
+
+class ModuleQueue(Protocol):
+    """The deferred path's queue as module mode uses it: module outputs and gradients into them, flagged by
+    the per-layer table's reading (``DeferredChecks``)."""
+
+    def queue_module(self, path: str, module: Any, args: Any, t: Any, reading: Later,
+                     coming_in: Callable[[list[Any]], tuple[bool, ...]]) -> None: ...
+
+    def queue_grad(self, path: str, grad: Any, reading: Later) -> None: ...

@@ -27,8 +27,7 @@ from torch_nbdebug.record.nanwatch.core.rules import (InputFact, OpFacts, OpPhas
 from torch_nbdebug.record.nanwatch.context import NodeDone, WatchContext, op_site, report_op, shown_inputs
 from torch_nbdebug.record.nanwatch.core.events import Place, Shape, Site, here, make_event, node_input_producer, producer
 from torch_nbdebug.record.nanwatch.core.layers import Later
-from torch_nbdebug.record.nanwatch.replay.inside import as_when_left
-from torch_nbdebug.record.nanwatch.modules.checks import module_event
+from torch_nbdebug.record.nanwatch.modules.rule import LeftAt, judge_call, module_event
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.tensors import storage_key
 
@@ -65,8 +64,7 @@ class DeferredChecks:
         # so their flags are reused rather than summed again (a weight gradient is a full pass).
         self._node_outs: set[int] = set()
         self._bad_keys: dict[int, bool] = {}  # replay: the latest flag of each storage the node wrote
-        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
-        self.left_at: dict[str, int] = {}
+        self.left_at = LeftAt()  # module mode: calls left to their enclosing module
 
     # -- queueing (no device read) -----------------------------------------------------------------
     def queue_op(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor], phase: OpPhase, node: Any,
@@ -207,13 +205,9 @@ class DeferredChecks:
         self._report(p, verdict, bad, nan, neg)
 
     def _module_verdict(self, p: Pending, in_bad: list[bool]) -> Verdict:
-        path, log = p.site.place.module or "", self.ctx.log
-        inner, had_events = as_when_left(log, path, 0, self.left_at)
-        if any(in_bad) and not inner and not had_events and not any(b and c for b, c in zip(in_bad, p.external)):
-            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
-            return "propagation"  # an enclosing module's own code made them: judged as that module returns
-        params = bad_parameters(p.extra) if not inner else []
-        return judge_module(True, any(in_bad), bool(params), had_events, inner)
+        verdict = judge_call(self.left_at, self.ctx.log, p.site.place.module or "", 0, in_bad, p.external, p.extra)
+        # "left": an enclosing module's own code made them, judged as that module returns
+        return "propagation" if verdict == "left" else verdict
 
     def _report(self, p: Pending, verdict: Any, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
         ctx, n = self.ctx, p.n_out

@@ -9,50 +9,35 @@ import math
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from torch_nbdebug.data.nanwatch import Kind, NanEvent
+from torch_nbdebug.data.nanwatch import Kind
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
-from torch_nbdebug.record.nanwatch.core.rules import Verdict, judge_gradient, judge_module
-from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.rules import judge_gradient, judge_module
+from torch_nbdebug.record.nanwatch.context import ModuleQueue, WatchContext
 from torch_nbdebug.record.nanwatch.core.events import Place, here, kind_of, make_event, stats_of
-from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck, as_when_left, made_since
+from torch_nbdebug.record.nanwatch.modules.rule import LeftAt, judge_call, module_event
+from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck
 from torch_nbdebug.record.nanwatch.replay.kept import CallSite, Kept, KeptReadings
 from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, Later, first_float_tensor, stat_values
-from torch_nbdebug.record.nanwatch.core.params import bad_parameters, carriers
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
-
 _isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
-
-
-def module_event(ctx: WatchContext, place: Place, op: str, verdict: Verdict, inputs: tuple[TensorStats, ...],
-                 output: TensorStats, kind: Kind, module: torch.nn.Module, inputs_bad: bool,
-                 iteration: int) -> NanEvent:
-    """A module-mode event; a non-finite weight (with finite inputs) is named as the carrier."""
-    event = make_event("input" if verdict == "input" else "forward", op, place, inputs, output, kind=kind,
-                       iteration=iteration)
-    if verdict == "input" and not inputs_bad:
-        params = bad_parameters(module)
-        if params:
-            event = dataclasses.replace(event, **carriers(ctx.namespace, [storage_key(p) for p in params]).fields())
-    return event
 
 
 class ModuleChecks:
     """Module enter/exit and gradient callbacks. ``depth`` is the module nesting (1: a top-level
     model), ``busy`` is True while an optimizer step runs (its modules are not checked)."""
 
-    def __init__(self, ctx: WatchContext, layers: LayerRecorder, deferred: Optional["DeferredChecks"],
+    def __init__(self, ctx: WatchContext, layers: LayerRecorder, deferred: Optional[ModuleQueue],
                  depth: Callable[[], int], busy: Callable[[], bool]) -> None:
         self.ctx, self.layers, self.deferred = ctx, layers, deferred
         self._depth, self._busy = depth, busy
@@ -76,8 +61,7 @@ class ModuleChecks:
         self._kwargs: dict = {}
         self._model_seq = 0  # module mode: the outermost call's first autograd node number
         self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
-        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
-        self.left_at: dict[str, int] = {}
+        self.left_at = LeftAt()  # module mode: calls left to their enclosing module
         self.saw_half = False  # replay: a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
         # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
@@ -106,12 +90,12 @@ class ModuleChecks:
 
     def _coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
         """Module mode: which of a call's inputs count as data coming in. A top-level call's do; a nested
-        call's unless the model's call made them (:func:`~nanwatch_inside.made_since`): an enclosing module's
+        call's unless the model's call made them (:func:`~torch_nbdebug.record.nanwatch.core.ops.made_since`): an enclosing module's
         code between its submodules (no op is watched there), and that module is judged when it returns."""
         if self._depth() <= 1:
             return tuple(True for _ in inputs)
         seq = self._model_seq
-        return tuple(not made_since(x, seq) for x in inputs)
+        return tuple(not ops.made_since(x, seq) for x in inputs)
 
     def use_replay(self, replayer: Replayer) -> None:
         self.kept, self.replayer = KeptReadings(), replayer
@@ -229,7 +213,7 @@ class ModuleChecks:
         if path is None or self._busy():
             return
         t = first_float_tensor(output)
-        leaves = float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
+        leaves = ops.float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
         if t is None and leaves:
             t = leaves[0]  # a dataclass (or deeper) output
         if t is None:
@@ -383,16 +367,12 @@ class ModuleChecks:
         """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
         the output is left to the enclosing module (inputs an enclosing module's own code made)."""
         log = self.ctx.log
-        inner, had_events = as_when_left(log, path, first, self.left_at)
         inputs = ops.float_inputs(args, {})
         bad = [not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
-        in_bad = any(bad)
-        if in_bad and coming_in is not None and not inner and not had_events and \
-                not any(b and c for b, c in zip(bad, coming_in(inputs))):
-            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
+        verdict = judge_call(self.left_at, log, path, first, bad, None if coming_in is None else coming_in(inputs),
+                             module)
+        if verdict == "left":
             return True  # an enclosing module's own code made them: judged as that module returns
-        params_bad = not inner and not in_bad and bool(bad_parameters(module))
-        verdict = judge_module(True, in_bad, params_bad, had_events, inner)
         if verdict == "propagation":
             return False
         out = stats_of([t], 1)[0]
@@ -400,7 +380,7 @@ class ModuleChecks:
         if self.ctx.options.ignore_inf and kind == "inf":
             return False
         log.add(module_event(self.ctx, place or here(path, None), f"{type(module).__name__} (module output)", verdict,
-                             stats_of(inputs), out, kind, module, in_bad,
+                             stats_of(inputs), out, kind, module, any(bad),
                              self.ctx.clock.iteration if iteration is None else iteration))
         return False
 
@@ -453,31 +433,6 @@ HALF_UNWATCHED = ("float16/bfloat16 module calls ran without the per-op watch (r
                   "module and absorbed before its output (its output finite, but wrong) is looked for only where "
                   "the module's inputs reach the square root of the dtype's largest number (256 in float16), "
                   "where squares overflow; run with --no-replay (replay=False) to watch every op")
-
-
-_MAX_LEAVES = 16  # float tensors of one module output checked for births
-
-
-def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Every checkable float tensor of a module output (tuples, lists, dicts, dataclass fields), capped."""
-    if isinstance(value, torch.Tensor):
-        return [value] if ops.checkable(value) and value.numel() > 0 else []
-    if depth > 4:
-        return []
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, (tuple, list)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    else:
-        return []
-    found: list[torch.Tensor] = []
-    for item in items:
-        found += [x for x in float_leaves(item, depth + 1) if all(x is not y for y in found)]
-        if len(found) >= _MAX_LEAVES:
-            return found[:_MAX_LEAVES]
-    return found
 
 
 _NOTHING = contextlib.nullcontext()

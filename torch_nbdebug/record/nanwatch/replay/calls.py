@@ -22,7 +22,6 @@ from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import stats_of
-from torch_nbdebug.record.nanwatch.modules.checks import float_leaves
 from torch_nbdebug.record.nanwatch.checks.optim import nonfinite_norms
 from torch_nbdebug.record.nanwatch.replay.forward import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
                                                   why_not_replayable)
@@ -138,7 +137,7 @@ class CallChecks:
         _, call, end, where = calls[-1]
         if any(r.call is call for r in self.regions):
             return
-        leaves = float_leaves(output)
+        leaves = ops.float_leaves(output)
         if not any(t.requires_grad for t in leaves):
             return
         region = Region(module, call, end, where, path)
@@ -324,7 +323,7 @@ class CallChecks:
             probe, start = user_line(), compat.next_sequence_nr()
             with replay_context(module, call, lambda: host.watched(host.clock.iteration)) as changed:
                 with torch.enable_grad():
-                    leaves = float_leaves(module(*args, **kwargs))
+                    leaves = ops.float_leaves(module(*args, **kwargs))
                     for seq, place in list(places.items()):  # a library module's ops: the call's line
                         if (place.filename, place.lineno) == probe and region.where is not None:
                             places[seq] = region.where._replace(op=place.op, module=place.module)

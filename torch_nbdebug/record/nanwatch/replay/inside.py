@@ -11,18 +11,32 @@ replay only, when it was made without autograd and shares no storage with the mo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
-from torch_nbdebug.record.nanwatch.replay.kept import Kept
 from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.tensors import storage_key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch.modules.checks import ModuleChecks
+from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.events import Place
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
+from torch_nbdebug.record.nanwatch.replay.kept import Kept, KeptReadings
+
+
+class KeptOwner(Protocol):
+    """What a check of the kept outputs touches of the module checks (``ModuleChecks``): the kept outputs,
+    the per-layer table, and the module-level report when no replay names the op."""
+
+    ctx: WatchContext
+    layers: LayerRecorder
+    kept: Optional[KeptReadings]
+
+    def module_fallback(self, entry: Kept, first: int = 0) -> None: ...
+
+    def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
+                     place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> bool: ...
 
 _isfinite = math.isfinite
 
@@ -31,7 +45,7 @@ class KeptCheck:
     """One check of the kept outputs (``ModuleChecks.check_kept``): ``outer`` is the model's call when it
     returned (None: an early check while it runs), ``model_seq`` its first autograd node number."""
 
-    def __init__(self, checks: "ModuleChecks", replayer: Replayer, outer: Optional[Kept],
+    def __init__(self, checks: KeptOwner, replayer: Replayer, outer: Optional[Kept],
                  model_seq: Optional[int]) -> None:
         self.checks, self.replayer, self.outer, self.model_seq = checks, replayer, outer, model_seq
 
@@ -47,6 +61,7 @@ class KeptCheck:
         arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
             else None
         strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
+        assert checks.kept is not None
         for entry in checks.kept.take():
             for path in entry.paths if entry.table else ():
                 checks.layers.take_forward(path, entry.values)
@@ -102,7 +117,7 @@ class KeptCheck:
         """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,
         between its submodules (the unwatched part of a forward), before any birth: replaying this call
         would only see them come in ("input data"). 2: autograd made them all inside the model's call (nodes
-        numbered from the call's first on: :func:`made_since`); 1: the others were made without autograd and
+        numbered from the call's first on: :func:`~torch_nbdebug.record.nanwatch.core.ops.made_since`); 1: the others were made without autograd and
         share no storage with the model's arguments (``arg_keys``; None: not known yet, an early check), so an
         enclosing call's replay can tell (never enough for a module-level answer); 0: data coming in (an
         argument, by keyword or not, or a view of one)."""
@@ -112,7 +127,7 @@ class KeptCheck:
         bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not ops.finite(x)]
         if not bad:
             return 0
-        made = [made_since(x, model_seq) for x in bad]
+        made = [ops.made_since(x, model_seq) for x in bad]
         if all(made):
             return 2
         return int(all(m or (x.grad_fn is None and (arg_keys is None or storage_key(x) not in arg_keys))
@@ -160,24 +175,6 @@ class KeptCheck:
         self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
                            "the model's call could be replayed; reported at module level")
         return True
-
-
-def made_since(t: torch.Tensor, seq: int) -> bool:
-    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
-    autograd, was not)."""
-    fn = t.grad_fn
-    return fn is not None and compat.node_sequence_nr(fn) >= seq
-
-
-def as_when_left(log: Any, path: str, first: int, left_at: dict[str, int]) -> tuple[bool, bool]:
-    """Module mode: (a submodule already reported, any event before) for the module at ``path``: as they
-    were when a submodule left it its non-finite inputs, if one did (a later, independent birth in a
-    sibling must not make this module's own one a propagation), else as they are now."""
-    cut = left_at.pop(path, None)
-    events = log.events[first:cut] if cut is not None else log.events[first:]
-    inner = any(e.module and e.module.startswith(path + ".") for e in events)
-    had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
-    return inner, had_events
 
 
 def encloses(entry: Kept, inside: list[Kept]) -> bool:
