@@ -332,7 +332,7 @@ def test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the
 def test_the_exit_hook_is_never_traced_by_dynamo() -> None:
     """``not_traced(hook)`` runs the hook as ``torch.compiler.disable(hook)`` would: called with its
     arguments, its result returned, and never while Dynamo traces a compiled function that calls it."""
-    from torch_nbdebug.record.nanwatch.recorder import not_traced
+    from torch_nbdebug.record.nanwatch.modules.tracker import not_traced
 
     seen: list[bool] = []
 

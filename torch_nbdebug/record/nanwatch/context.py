@@ -37,6 +37,12 @@ class WatchOptions:
     replay: bool = False  # op mode: per-op watch off inside modules in forward, births there replayed
 
 
+def uses_replay(replay: bool, mode: Mode, defer: bool, raise_on_birth: bool) -> bool:
+    """Whether a watch asked for ``replay`` replays: it needs op mode, the immediate path (CPU) and no raising
+    at the op (the check comes after the call)."""
+    return replay and mode == "op" and not defer and not raise_on_birth
+
+
 class Clock:
     """The 1-based iteration: a forward after a backward starts the next one."""
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import threading
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -22,21 +21,22 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.interrupts import deferred_interrupts
-from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.nanwatch.checks.amp import AmpChecks
 from torch_nbdebug.record.nanwatch.replay.backward import BackwardGate, BackwardWatch
-from torch_nbdebug.record.nanwatch.context import Clock, Mode, WatchOptions
+from torch_nbdebug.record.nanwatch.context import Clock, Mode, WatchOptions, uses_replay
 from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
 from torch_nbdebug.record.nanwatch.core.events import Place, here
 from torch_nbdebug.record.nanwatch.checks.immediate import ImmediateChecks
 from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
 from torch_nbdebug.record.nanwatch.core.log import EventLog
-from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode
+from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode, take_function_mode
 from torch_nbdebug.record.nanwatch.modules.checks import HALF_UNWATCHED, ModuleChecks
+from torch_nbdebug.record.nanwatch.modules.tracker import ThreadTracker, not_traced
 from torch_nbdebug.record.nanwatch.checks.optim import LearningRates, OptimizerWatch
 from torch_nbdebug.record.nanwatch.replay.forward import (Replayer, relocate, replay_call, user_line, why_not_replayable,
                                                   with_forward)
 from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.recording import NanRecording
 
 _get_sequence_nr = compat.next_sequence_nr
 _stack_len = compat.dispatch_stack_len
@@ -54,10 +54,8 @@ class NanRecorder:
                  backward: bool = True, optimizer: bool = True, ignore_inf: bool = False,
                  raise_on_birth: bool = False, defer: Optional[bool] = None, max_events: int = 50,
                  replay: bool = False) -> None:
-        # Replay needs the immediate path (CPU) and no raising at the op (the check comes after the call).
-        replay = replay and mode == "op" and not defer and not raise_on_birth
         self.options = WatchOptions(mode, backward, optimizer, ignore_inf, raise_on_birth, bool(defer), max_events,
-                                    replay)
+                                    uses_replay(replay, mode, bool(defer), raise_on_birth))
         self.namespace = namespace
         self.log = EventLog(max_events, raise_on_birth)
         self.clock = Clock()
@@ -78,7 +76,7 @@ class NanRecorder:
         self._quiet = 0
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
-        self._tracker: Optional[ModuleTracker] = None
+        self._tracker: Optional[ThreadTracker] = None
         self._mode: Optional[OpWatchMode] = None
         self._suspended_mode: Optional[OpWatchMode] = None
         self._model_off = False  # replay: the mode was taken off while a model's forward runs
@@ -97,13 +95,17 @@ class NanRecorder:
                 self.backward_watch = BackwardWatch(self, replayer.note)
                 self.modules.bad_gradient = self.backward_watch.gradient_bad
 
-    # -- what the report reads (besides ``log``, ``layers``, ``options``, ``errors``) ---------------
-    @property
-    def other_thread(self) -> bool:
-        return self.modules.other_thread
-
+    # -- what the report reads ------------------------------------------------------------------
     def saw_torch(self) -> bool:
         return self.ops_seen > 0 or self.layers.seen() or bool(self.optim and self.optim.steps)
+
+    def recording(self) -> NanRecording:
+        """What was recorded so far, as plain data (:meth:`stop` returns it once everything is off)."""
+        log, replayer = self.log, self.modules.replayer
+        return NanRecording(self.options, tuple(log.events), frozenset(log.absorbed), self.layers.rows(set()),
+                            self.ops_seen, self.ops_checked, log.dropped, log.full(), tuple(sorted(log.scaler_skips)),
+                            self.saw_torch(), self.modules.other_thread,
+                            tuple(replayer.notes if replayer is not None else ()) + tuple(self.errors))
 
     # -- lifetime --------------------------------------------------------------------------
     def __enter__(self) -> "NanRecorder":
@@ -128,7 +130,7 @@ class NanRecorder:
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
         self._handles.append(compat.register_global_forward_hook(not_traced(exit_hook), with_kwargs=replay,
                                                                  always_call=replay))
-        self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
+        self._tracker = ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
                                        outer=self._outer if replay else None,
                                        # (the module of a backward birth in a model: the backward layer replays it)
                                        moved=self.module_moved if self.backward_watch is None else None,
@@ -147,8 +149,9 @@ class NanRecorder:
         if replay:  # before a step changes the weights: name the backward births of the forward just run
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
 
-    def stop(self) -> None:
-        """Remove every hook and mode; read outstanding device flags (errors there are not raised)."""
+    def stop(self) -> NanRecording:
+        """Remove every hook and mode; read outstanding device flags (errors there are not raised); hand
+        over what was recorded."""
         try:
             if self.options.replay and self._mode is not None:  # while the hooks still name the modules
                 with self.log.not_raising():
@@ -158,6 +161,7 @@ class NanRecorder:
         finally:
             self._remove()  # if a Stop came before the block above took effect; else a no-op
             self._finish()
+        return self.recording()
 
     def _remove(self) -> None:
         """Take off the mode and every hook; safe to run twice."""
@@ -171,7 +175,7 @@ class NanRecorder:
                             compat.function_mode_at(compat.function_stack_len() - 1) is gate:
                         gate.__exit__(None, None, None)
                     else:  # the user's own function mode above it (left on by their code): take ours out only
-                        _take_function_mode(gate)
+                        take_function_mode(gate)
             finally:
                 if self._mode is not None:
                     mode, self._mode = self._mode, None
@@ -523,82 +527,3 @@ class NanRecorder:
             for key in list(self._places)[: _NODE_CAP // 2]:
                 del self._places[key]
         self._places[seq] = here(self.module_path(), func)
-
-
-class _ThreadTracker(ModuleTracker):
-    """Module hooks are global: only modules running in the watching thread enter its path stack
-    (another thread's modules, under their own watch or none, would be named in our events)."""
-
-    def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]],
-                 outer: Optional[Callable[[bool], None]] = None, moved: Optional[Callable[[], None]] = None,
-                 ended: Optional[Callable[[torch.nn.Module, Any, Optional[str]], None]] = None, **kw: Any) -> None:
-        super().__init__(namespace, **kw)
-        self._checks = checks
-        self._ended = ended  # replay: the outermost call returned (module, output, its path)
-        self._outer = outer  # replay: told when the outermost module call starts (True) and ends (False)
-        self._moved: Callable[[], None] = moved or (lambda: None)
-
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        # Runs at every module call: ModuleTracker._pre and ModuleChecks.mine inlined.
-        checks = self._checks
-        if threading.get_ident() != checks.thread_id:
-            checks.other_thread = True
-            return
-        stack, outer = self.stack, self._outer
-        if outer is not None and not checks.replaying:
-            if not stack:
-                outer(True)
-            checks.started(args)
-        elif not stack:
-            checks.model_started()
-        path = self.namer.name(module, stack[-1] if stack else None)
-        stack.append(path)
-        if self._on_enter is not None:
-            self._on_enter(path, module)
-        if outer is not None and not checks.replaying:
-            self._moved()
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == self._checks.thread_id:
-            path = self.stack[-1] if self.stack else None
-            super()._post(module, args, output)
-            if self._outer is not None and not self._checks.replaying:
-                self._moved()
-                if not self.stack:
-                    if self._ended is not None:
-                        self._ended(module, output, path)
-                    self._outer(False)
-                    self._checks.forward_over()
-
-
-_untraced_call: Optional[Callable[..., Any]] = None
-
-
-def _call(hook: Callable[..., Any], *args: Any) -> Any:
-    return hook(*args)
-
-
-def not_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` as ``torch.compiler.disable(hook)`` runs it (Dynamo never traces into it), without that
-    call's cost at every watch's start (about a tenth of an empty watch's start and stop): one disabled
-    trampoline, made on first use, calls the watch's own hook. The hook's module is kept, as
-    ``disable``'s wrapper keeps it: another watch's replay knows this package's hooks by it
-    (``compat.global_module_hook_ids``)."""
-    global _untraced_call
-    if _untraced_call is None:
-        _untraced_call = torch.compiler.disable(_call)
-    wrapped = functools.partial(_untraced_call, hook)
-    wrapped.__module__ = getattr(getattr(hook, "__func__", hook), "__module__", None)  # type: ignore[attr-defined]
-    return wrapped
-
-
-def _take_function_mode(mode: Any) -> None:
-    """Take ``mode`` out of the function-mode stack from under modes pushed after it (kept, in order)."""
-    above = []
-    while compat.function_stack_len():
-        top = compat.pop_function_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for top in reversed(above):
-        compat.push_function_mode(top)
