@@ -33,7 +33,7 @@ from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode, take_function
 from torch_nbdebug.record.nanwatch.modules.checks import HALF_UNWATCHED, ModuleChecks
 from torch_nbdebug.record.nanwatch.modules.tracker import ThreadTracker, not_traced
 from torch_nbdebug.record.nanwatch.checks.optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch.replay.forward import (Replayer, relocate, replay_call, user_line, why_not_replayable,
+from torch_nbdebug.record.nanwatch.replay.forward import (Replayer, relocated, replay_call, user_line, why_not_replayable,
                                                   with_forward)
 from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
 from torch_nbdebug.record.nanwatch.recording import NanRecording
@@ -317,7 +317,7 @@ class NanRecorder:
                     for i in mine:
                         place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]
                         if place is not None:
-                            events[i] = with_forward(events[i], place)
+                            self.log.rewrite(i, with_forward(events[i], place))
         except Exception as exc:  # noqa: BLE001 - the module-level answer stands
             self.internal_error("the replay of a forward", exc)
         finally:
@@ -337,9 +337,8 @@ class NanRecorder:
         # Forward births the replay saw thrown away (where/masked_fill) are what the always-on watch
         # lists as absorbed: the backward birth's hint (the where trap) depends on them.
         thrown = [replayed.events[i] for i in sorted(replayed.absorbed)]
-        relocate(thrown, 0, probe, where, call.seq - start)
         for event in thrown:
-            log.add_absorbed(event)
+            log.add_absorbed(relocated(event, probe, where, call.seq - start))
         return {seq + call.seq - start: place if (place.filename, place.lineno) != probe else
                 where._replace(op=place.op, module=place.module) for seq, place in found.items()}
 

@@ -23,9 +23,6 @@ from torch_nbdebug.record.tensors import storage_key
 class ImmediateChecks:
     def __init__(self, ctx: WatchContext) -> None:
         self.ctx = ctx
-        # replay: a node run again from inside its own post hook (nanwatch_backward): a hook added to it
-        # now would not run; the caller decides its held births with the gradients it already has.
-        self.rerunning: Optional[list[int]] = None  # the held keys, while a node runs again
 
     def examine(self, func: Any, args: tuple, kwargs: dict, bad: list[torch.Tensor], phase: OpPhase, node: Any,
                 pre: Optional[torch.Tensor], seq: Optional[int]) -> None:
@@ -73,10 +70,7 @@ class ImmediateChecks:
     def hold(self, node: Any, event: Any) -> None:
         """A backward birth counts only once a non-finite gradient leaves its node (a post hook decides)."""
         key = id(node)
-        if self.rerunning is not None:
-            self.rerunning.append(key)
-            self.ctx.log.hold(key, event)
-        elif self.ctx.log.hold(key, event):
+        if self.ctx.log.hold(key, event):  # (not while the node runs again: see EventLog.rerunning)
             self.ctx.keep_handle(node.register_hook(NodeDone(self, key)))
 
     def node_done(self, key: int, grad_inputs: Any) -> None:

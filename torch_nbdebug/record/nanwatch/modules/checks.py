@@ -132,10 +132,10 @@ class ModuleChecks:
         try:
             path = self.ctx.module_path()
             call = capture(tuple(args), dict(kwargs), self._starts[0] if self._starts else None)
-            first = len(self.ctx.log.events)
+            first = self.ctx.log.mark()
             with self.ctx.quiet():
                 self.ctx.flush()  # the kept outputs of the modules that returned
-            if len(self.ctx.log.events) == first and path is not None:
+            if not self.ctx.log.since(first) and path is not None:
                 entry = Kept(None, [path], self.ctx.clock.iteration, module, (), here(path, None), call=call)
                 self.replayer.birth(entry, first, fallback=False)
         except Exception as exc:  # noqa: BLE001 - the user's own error is the one that propagates
@@ -340,7 +340,7 @@ class ModuleChecks:
         """A weakly kept (no-grad) output freed before the check: the event has what was read of it
         (its kind; shape and dtype), not its full statistics."""
         log, path = self.ctx.log, entry.paths[0]
-        inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
+        inner = any(e.module and e.module.startswith(path + ".") for e in log.since(first))
         params_bad = not inner and bool(bad_parameters(entry.module))
         # Its inputs were freed with it: after a birth they are taken as carrying it (the modules after a
         # non-finite one in generation are not births of their own).

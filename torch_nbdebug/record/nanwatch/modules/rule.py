@@ -62,13 +62,13 @@ class LeftAt:
         not make this module's own one a propagation), else as they are now; ``first``: the log's mark
         when the check began."""
         cut = self._at.pop(path, None)
-        events = log.events[first:cut] if cut is not None else log.events[first:]
+        events = log.events[first:cut] if cut is not None else log.since(first)
         inner = any(e.module and e.module.startswith(path + ".") for e in events)
         had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
         return inner, had_events
 
     def leave(self, log: EventLog, path: str) -> None:
-        self._at.setdefault(path.rpartition(".")[0], len(log.events))
+        self._at.setdefault(path.rpartition(".")[0], log.mark())
 
     def clear(self) -> None:
         self._at.clear()

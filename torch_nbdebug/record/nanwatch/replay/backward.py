@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.replay.calls import (OWN_TENSOR_HOOKS, CallChecks, finite as _finite,
                                                           may_hold_birth)
 from torch_nbdebug.record.nanwatch.replay.forward import at_place
@@ -259,7 +260,7 @@ class BackwardWatch:
         its forward op cannot be named) is given the call's module and line."""
         __tracebackhide__ = True  # noqa: F841
         log = self.host.log
-        before = len(log.events)
+        before = log.mark()
         spans = [(r.call.seq, r.end, r.path, r.where, self.calls.not_replayable(r, forward=True)) for r in reached
                  if r.call.seq is not None]
         spans = [s for s in spans if s[4]] + [(*d, "") for d in self.calls.dropped]
@@ -272,18 +273,16 @@ class BackwardWatch:
             except Exception as exc:  # noqa: BLE001 - the op-level answer stands
                 self.host.internal_error("the backward of a model", exc)
 
-    def _name_births(self, log: Any, before: int, spans: list[tuple[int, int, str, Any, str]]) -> None:
+    def _name_births(self, log: EventLog, before: int, spans: list[tuple[int, int, str, Any, str]]) -> None:
         """Births of this backward in the model calls ``spans`` (sequence range, path, line, why not replayable)
         whose forward nobody can replay: the call's module (and line) with a note."""
-        events = log.events
-        for i in range(before, len(events)):
-            event = events[i]
+        for i, event in enumerate(log.since(before), before):
             seq = event.sequence_nr
             span = next((s for s in spans if seq is not None and s[0] <= seq < s[1]), None)
             if span is not None and event.phase == "backward" and event.module is None:
                 if span[3] is not None and event.cause != "user_backward":
                     event = at_place(event, span[3])
-                events[i] = dataclasses.replace(event, module=span[2], forward_module=span[2])
+                log.rewrite(i, dataclasses.replace(event, module=span[2], forward_module=span[2]))
                 self._note(UNNAMED.format(module=span[2], why=span[4] or "more model calls than are kept"))
 
     def _ended(self, popped: bool) -> None:
@@ -435,21 +434,19 @@ class BackwardWatch:
         host = self.host
         if self.rerun_node is not None or host.mode_on_stack():
             return
-        keys: list[int] = []
-        self.rerun_node, host.immediate.rerunning = True, keys  # held births are decided here, not by a hook
+        self.rerun_node = True
         rng = torch.get_rng_state()  # the user's random stream goes on as if nothing ran again
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        host.push_mode()
-        try:
-            made = run()
-        finally:
-            host.pop_mode()
-            self.rerun_node = host.immediate.rerunning = None
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        for key in dict.fromkeys(keys):
-            host.log.node_done(key, bad)
+        with host.log.rerunning(bad):  # a hook added to the running node would not run: held births decided here
+            host.push_mode()
+            try:
+                made = run()
+            finally:
+                host.pop_mode()
+                self.rerun_node = None
+                torch.set_rng_state(rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
         if any(bad) and all(_finite(g) for g in (made if isinstance(made, (tuple, list)) else (made,))):
             # Run again, the node made finite gradients: a hook the user put on the node changed them.
             self._note(NODE_HOOK)

@@ -250,7 +250,7 @@ class CallChecks:
         """Replay the call; what is left to report at module level (after every replay), or None."""
         host = self.host
         why = self.not_replayable(region)
-        before = len(host.log.events)
+        before = host.log.mark()
         if why and not self._judged(region, list(region.grads.values())):
             return None  # the non-finite gradient came into the call from outside: a propagation
         if not why:
@@ -260,7 +260,7 @@ class CallChecks:
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands
                 why = f"the replay raised {type(exc).__name__}: {exc}"
             fresh, self._fresh = self._fresh, []
-            if not why and len(host.log.events) == before:
+            if not why and not host.log.since(before):
                 if not self._reproduced and region.inner is None and not region.args_bad:
                     self._accumulated(fresh)  # only a weight's .grad: finite gradients added up to Inf?
                 if self._reproduced or (region.inner is None and not region.args_bad):
@@ -269,9 +269,9 @@ class CallChecks:
         return (region, why) if why else None
 
     def _report(self, region: Region, why: str) -> None:
-        before = len(self.host.log.events)
+        before = self.host.log.mark()
         self._module_level(region)
-        if len(self.host.log.events) > before:
+        if self.host.log.since(before):
             self._note(NOT_REPLAYED.format(module=region.path, why=why))
 
     def _accumulated(self, fresh: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
@@ -286,14 +286,8 @@ class CallChecks:
                 continue
             with torch.enable_grad():
                 node = p.view_as(p).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad
-            keys: list[int] = []
-            host.immediate.rerunning = keys
-            try:
+            with host.log.rerunning([]):
                 _engine_run_backward(host.immediate, g, new, node)
-            finally:
-                host.immediate.rerunning = None
-            for key in dict.fromkeys(keys):
-                host.log.node_done(key, [])
 
     def _judged(self, region: Region, grads: list[torch.Tensor]) -> bool:
         """Whether the always-on watch could find a birth (or input data) inside the call, given the

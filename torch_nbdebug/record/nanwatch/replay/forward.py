@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
+from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import here
@@ -315,7 +316,7 @@ class Replayer:
         log, path = self.ctx.log, entry.paths[0]
         if compat.current_autograd_node() is not None:
             return False  # a forward run by backward (checkpointing): the backward's own check replays it
-        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.events[first:]):
+        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
             return False  # an inner call's birth, replayed already: this output only carries it
         inputs = entry.live_inputs() or ()
         if log.has_events() and any(ops.has_nan(x) for x in inputs if not _finite(x)):
@@ -325,7 +326,7 @@ class Replayer:
                else "its arguments were freed before the check (no_grad)" if call is None
                else "its arguments were changed in place after the call" if call.changed()  # (at the module's exit)
                else why_not_replayable(call, entry.module, self._own_hooks()))
-        before = len(log.events)
+        before = log.mark()
         if not why:
             self.replays += 1
             probe, seq = user_line(), compat.next_sequence_nr()
@@ -333,14 +334,15 @@ class Replayer:
                 if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type]
                     self.note(f"{path}: the replay changed the module's attributes (put back)")
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands (unless it found the op)
-                if len(log.events) == before:
+                if not log.since(before):
                     why = f"the replay raised {type(exc).__name__}: {exc}"
         if not why:
             shift = call.seq - seq if call.seq is not None else None
-            relocate(log.events, before, probe, entry.place, shift)
+            for i, event in enumerate(log.since(before), before):
+                log.rewrite(i, relocated(event, probe, entry.place, shift))
             if shift is not None:
                 log.renumber(before, shift)
-            if len(log.events) > before:
+            if log.since(before):
                 return True
             why = "the replay stayed finite (randomness or state outside the call, or nondeterminism)"
             if bad_parameters(entry.module):  # copied out by ops no check watches (an embedding's row)
@@ -348,7 +350,7 @@ class Replayer:
         if not fallback:
             return False
         self._fallback(entry, first)
-        if len(log.events) > before and why:
+        if log.since(before) and why:
             self.note(NOT_REPLAYED.format(module=path, why=why))
         return False
 
@@ -368,19 +370,17 @@ def user_line() -> tuple[Optional[str], Optional[int]]:
     return place.filename, place.lineno
 
 
-def relocate(events: list, start: int, probe: tuple[Optional[str], Optional[int]], place: Any,
-              seq_shift: Optional[int]) -> None:
-    """Events of a replayed library module carry the line the replay ran from: give them the line of
-    the original call (a module whose forward is the user's own code keeps its own line); their
-    autograd sequence numbers are moved to the original call's (same ops in the same order)."""
-    for i in range(start, len(events)):
-        event = events[i]
-        if (event.filename, event.lineno) == probe and place is not None:
-            event = at_place(event, place)
-        if event.sequence_nr is not None:
-            event = dataclasses.replace(event, sequence_nr=event.sequence_nr + seq_shift if seq_shift is not None
-                                        else None)
-        events[i] = event
+def relocated(event: NanEvent, probe: tuple[Optional[str], Optional[int]], place: Any,
+              seq_shift: Optional[int]) -> NanEvent:
+    """An event of a replayed library module carries the line the replay ran from: give it the line of
+    the original call (a module whose forward is the user's own code keeps its own line); its autograd
+    sequence number is moved to the original call's (same ops in the same order)."""
+    if (event.filename, event.lineno) == probe and place is not None:
+        event = at_place(event, place)
+    if event.sequence_nr is not None:
+        event = dataclasses.replace(event, sequence_nr=event.sequence_nr + seq_shift if seq_shift is not None
+                                    else None)
+    return event
 
 
 def at_place(event: Any, place: Any) -> Any:

@@ -51,7 +51,7 @@ class KeptCheck:
 
     def run(self) -> None:
         checks, outer, log = self.checks, self.outer, self.checks.ctx.log
-        first = len(log.events)  # events of earlier checks are other births, not this output's
+        first = log.mark()  # events of earlier checks are other births, not this output's
         freed: list[Kept] = []
         overflowed_freed = False  # a call that may have overflowed inside was freed before its replay
         inside: list[Kept] = []
@@ -75,7 +75,7 @@ class KeptCheck:
                     if how == 2:
                         strong.add(id(entry))
                 elif inside and encloses(entry, inside):  # at module level only once the model's replay failed
-                    if not self.replayer.birth(entry, first, fallback=False) and len(log.events) == first:
+                    if not self.replayer.birth(entry, first, fallback=False) and not log.since(first):
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
@@ -89,17 +89,16 @@ class KeptCheck:
             checks.kept.entries[:0] = later
         if inside and outer is not None:
             self._inside_births(inside, waiting, outer, first, strong)
-        events = log.events
-        if overflowed_freed and outer is not None and len(events) == first:
+        if overflowed_freed and outer is not None and not log.since(first):
             self.replayer.birth(outer, first, fallback=False)
         if freed and outer is not None and not any(
                 e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
-                for e in events[first:]):
+                for e in log.since(first)):
             if self.replayer.birth(outer, first, fallback=False):  # the whole model's call names the ops
                 freed = []
         for entry in freed:
             path = entry.paths[0]
-            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
+            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
                 checks.module_fallback(entry, first)
 
     def _overflowed_inside(self, entry: Kept) -> bool:
@@ -141,13 +140,14 @@ class KeptCheck:
         model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
         module level; without them, the module that called one whose inputs autograd saw made inside
         (``strong``); else each call is replayed as before (its inputs reported)."""
-        if len(self.checks.ctx.log.events) > first:
+        log = self.checks.ctx.log
+        if log.since(first):
             return  # an enclosing call's replay named the op: these outputs carry its values
-        if self.replayer.birth(outer, first, fallback=False) or len(self.checks.ctx.log.events) > first:
+        if self.replayer.birth(outer, first, fallback=False) or log.since(first):
             return
         for entry in waiting:
             self.replayer.birth(entry, first)  # replays again, then reports at module level, with the reason
-            if len(self.checks.ctx.log.events) > first:
+            if log.since(first):
                 return
         for entry in inside:
             if id(entry) in strong and self._enclosing_birth(entry, outer, first):
@@ -170,7 +170,7 @@ class KeptCheck:
             return False
         place = entry.place._replace(module=parent) if entry.place is not None else None
         self.checks.module_birth(parent, module, (), t, place, entry.iteration, first)
-        if len(self.checks.ctx.log.events) == first:
+        if not self.checks.ctx.log.since(first):
             return False
         self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
                            "the model's call could be replayed; reported at module level")
