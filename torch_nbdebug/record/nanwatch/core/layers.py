@@ -63,7 +63,7 @@ class _Side:
     def take(self, values: list[float]) -> bool:
         """Store one reading; True when it is the first non-finite one."""
         self.last = values
-        if self.bad is None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+        if self.bad is None and nonfinite_reading(values):
             self.bad = values
             return True
         return False
@@ -226,3 +226,8 @@ def _nums(values: Optional[list[float]]) -> tuple[Optional[float], ...]:
     if _isfinite(lo) and _isfinite(hi) and _isfinite(mean):
         return tuple(values)
     return (lo if _isfinite(lo) else None, hi if _isfinite(hi) else None, mean if _isfinite(mean) else None)
+
+
+def nonfinite_reading(values: Optional[list[float]]) -> bool:
+    """A reading ``[min, max, mean]`` holds a NaN/Inf (None: not read yet, as on the deferred path)."""
+    return values is not None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2]))

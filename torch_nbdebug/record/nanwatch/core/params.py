@@ -83,7 +83,7 @@ def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
         seen.add(id(node))
         variable = getattr(node, "variable", None)
         if variable is not None:
-            if variable.is_floating_point() and not bool(torch.isfinite(variable.detach()).all()):
+            if variable.is_floating_point() and not ops.finite(variable):
                 keys.append(storage_key(variable))  # (a finite leaf cat with the bad input carried nothing)
         elif node.name() in _COPIES:
             stack += [f for f, _ in node.next_functions]

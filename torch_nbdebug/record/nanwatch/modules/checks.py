@@ -24,12 +24,13 @@ from torch_nbdebug.record.nanwatch.core.events import Place, here, kind_of, make
 from torch_nbdebug.record.nanwatch.modules.rule import LeftAt, judge_call, module_event
 from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck
 from torch_nbdebug.record.nanwatch.replay.kept import CallSite, Kept, KeptReadings
-from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, Later, first_float_tensor, stat_values
+from torch_nbdebug.record.nanwatch.core.layers import (LayerRecorder, Later, first_float_tensor, nonfinite_reading,
+                                                       stat_values)
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
-_isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
 
 
@@ -47,7 +48,7 @@ class ModuleChecks:
         self.thread_id = threading.get_ident()
         self.other_thread = False
         # (weakref, values, hook, version) of the last output: a container returning it unchanged has its numbers
-        self._last_exit: Optional[tuple[Any, Optional[list[float]], Any, int]] = None
+        self._last_exit: Optional[tuple[LiveRef, Optional[list[float]], Optional[_GradHook]]] = None
         self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
         # replay=True (see use_replay): outputs and gradients are kept and checked together (nanwatch_kept).
         # Without replay each output is read as its module exits: on a CPU that is as cheap (the same
@@ -219,7 +220,7 @@ class ModuleChecks:
         if t is None:
             return
         last = self._last_exit
-        if last is not None and (last[0]() is not t or ops.version_of(t) != last[3]):
+        if last is not None and last[0].get() is not t:
             last = None  # another tensor, or the same one written in place (ReLU(inplace=True)): new numbers
         if self.kept is not None:
             self._keep_exit(path, module, args, t, last, [x for x in leaves if x is not t])
@@ -249,14 +250,14 @@ class ModuleChecks:
             queue.queue_module(path, module, args, t, later, self._coming_in)
         else:
             values = self.layers.forward(path, t)
-            if self._module_mode and _non_finite(values):
+            if self._module_mode and nonfinite_reading(values):
                 left = self.module_birth(path, module, args, t, coming_in=self._coming_in)
                 self._left_inside = weakref.ref(t) if left else None
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             self.ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
+        self._last_exit = (LiveRef(t), values, hook)
         if self.layers.deferred:
             self._bound_backlog()
 
@@ -288,7 +289,7 @@ class ModuleChecks:
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
+        self._last_exit = (LiveRef(t), None, hook)
         if kept.full():
             with ctx.quiet():
                 ctx.flush()
@@ -309,12 +310,12 @@ class ModuleChecks:
             if t.is_cpu and READ_AT_EXIT:
                 values = stat_values(t)
                 # (a half-precision call is kept whole: its inputs may have overflowed inside, see KeptCheck)
-                if not _non_finite(values) and t.dtype not in ops.HALF:
+                if not nonfinite_reading(values) and t.dtype not in ops.HALF:
                     if table:
                         kept.read(t, site.path, module, iteration, values, weak)
                     return
             entry = kept.output(t, site.path, module, site.inputs(), site.place(), iteration, weak, table, values)
-            if t.dtype in ops.HALF and (weak or values is not None) and not _non_finite(values or [0.0] * 3):
+            if t.dtype in ops.HALF and (weak or values is not None) and not nonfinite_reading(values):
                 # (read now while the inputs live: a no-grad call's are gone by the check; on a device, a sync)
                 entry.squares_risk = ops.squares_may_overflow(site.inputs())
         call = site.call()
@@ -404,12 +405,12 @@ class ModuleChecks:
             if self.layers.deferred:
                 self._bound_backlog()
             if not self._module_mode:
-                if self.bad_gradient is not None and _non_finite(values):
+                if self.bad_gradient is not None and nonfinite_reading(values):
                     self.bad_gradient(path, grad)
                 return
             if queue is not None:
                 queue.queue_grad(path, grad, later)
-            elif _non_finite(values):
+            elif nonfinite_reading(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)
 
     def gradient_birth(self, path: str, grad: Optional[TensorStats], iteration: int) -> None:
@@ -442,9 +443,6 @@ _NOTHING = contextlib.nullcontext()
 READ_AT_EXIT = True
 
 
-def _non_finite(values: Optional[list[float]]) -> bool:
-    """A reading ``[min, max, mean]`` taken now holds a NaN/Inf (None: deferred, nothing read yet)."""
-    return values is not None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2]))
 # module class -> whether ``inplace`` may come from the class (weak: a class redefined in a cell goes)
 _INPLACE_CLASSES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 

@@ -46,8 +46,7 @@ from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.log import EventLog
-from torch_nbdebug.record.nanwatch.replay.calls import (OWN_TENSOR_HOOKS, CallChecks, finite as _finite,
-                                                          may_hold_birth)
+from torch_nbdebug.record.nanwatch.replay.calls import OWN_TENSOR_HOOKS, CallChecks, may_hold_birth
 from torch_nbdebug.record.nanwatch.replay.forward import at_place
 
 __all__ = ["BackwardGate", "BackwardWatch", "may_hold_birth"]
@@ -143,8 +142,8 @@ class _Accumulation:
         try:
             old = getattr(self.node.variable, "grad", None)
             self.before = None
-            if isinstance(old, torch.Tensor) and old.layout == torch.strided and _finite(old) \
-                    and all(_finite(g) for g in grad_outputs):
+            if isinstance(old, torch.Tensor) and old.layout == torch.strided and ops.finite(old) \
+                    and all(ops.finite(g) for g in grad_outputs):
                 with torch.no_grad():
                     self.before = old.clone()
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
@@ -153,7 +152,7 @@ class _Accumulation:
     def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
         before, self.before = self.before, None
         try:
-            if before is not None and not _finite(getattr(self.node.variable, "grad", None)):
+            if before is not None and not ops.finite(getattr(self.node.variable, "grad", None)):
                 self.watch.rerun(lambda: before.add_(grad_outputs[0]), [])
         except NanBirthError:
             raise
@@ -175,7 +174,7 @@ class _Absorber:
         if region.absorbed or not self.watch.unwatched:
             return
         try:
-            if not all(_finite(g) for g in grad_outputs):
+            if not all(ops.finite(g) for g in grad_outputs):
                 region.absorbed = region.active = True
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
             self.watch.host.internal_error("a gradient inside a model", exc)
@@ -413,10 +412,10 @@ class BackwardWatch:
             return  # our own rerun, a replay, or a backward the per-op mode watches anyway
         with torch.no_grad():
             made = [g for g in grad_inputs if isinstance(g, torch.Tensor) and ops.checkable(g)]
-            bad = [not _finite(g) for g in made]
+            bad = [not ops.finite(g) for g in made]
             if not any(bad):
                 return
-            came = [g for g in grad_outputs if isinstance(g, torch.Tensor) and not _finite(g)]
+            came = [g for g in grad_outputs if isinstance(g, torch.Tensor) and not ops.finite(g)]
             if not may_hold_birth(bool(came), any(ops.has_nan(g) for g in came),
                                   any(ops.has_nan(g) for g, b in zip(made, bad) if b), host.log.has_events()):
                 return
@@ -447,7 +446,7 @@ class BackwardWatch:
                 torch.set_rng_state(rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state_all(cuda_rng)
-        if any(bad) and all(_finite(g) for g in (made if isinstance(made, (tuple, list)) else (made,))):
+        if any(bad) and all(ops.finite(g) for g in (made if isinstance(made, (tuple, list)) else (made,))):
             # Run again, the node made finite gradients: a hook the user put on the node changed them.
             self._note(NODE_HOOK)
         del made

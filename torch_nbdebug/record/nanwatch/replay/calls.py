@@ -39,7 +39,6 @@ def may_hold_birth(came_bad: bool, came_nan: bool, made_nan: bool, had_events: b
     return not came_bad or not had_events or (made_nan and not came_nan)
 
 
-finite = ops.finite  # (the backward layer's name for it)
 
 class Region:
     """One outermost model call whose forward ran without the per-op watch, until its backward is checked."""
@@ -90,7 +89,7 @@ class _ArgGrad:
             return
         try:
             self.region.active = True
-            if not finite(grad):
+            if not ops.finite(grad):
                 self.region.args_bad = True
                 self.region.args_nan = self.region.args_nan or ops.has_nan(grad)
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
@@ -182,7 +181,7 @@ class CallChecks:
             suspects = [r for r in active if r.inner is not None or r.args_bad or r.absorbed]
             rest = [r for r in active if r.inner is None and not r.args_bad and not r.absorbed]
             if results is not None and rest and not all(
-                    finite(g) for g in (results if isinstance(results, (tuple, list)) else (results,))):
+                    ops.finite(g) for g in (results if isinstance(results, (tuple, list)) else (results,))):
                 suspects, rest = suspects + rest, []
             suspects += self._bad_weights(rest)
             left = []
@@ -282,7 +281,7 @@ class CallChecks:
         host = self.host
         for p, new in fresh:
             g = p.grad
-            if new is None or g is None or id(p) not in self._finite_before or finite(g) or not finite(new):
+            if new is None or g is None or id(p) not in self._finite_before or ops.finite(g) or not ops.finite(new):
                 continue
             with torch.enable_grad():
                 node = p.view_as(p).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad
@@ -293,7 +292,7 @@ class CallChecks:
         """Whether the always-on watch could find a birth (or input data) inside the call, given the
         gradients into its outputs (``nanwatch_births.judge``: finite ones, nothing reported yet, or
         a NaN inside from infinities only)."""
-        came = [g for g in grads if not finite(g)]
+        came = [g for g in grads if not ops.finite(g)]
         if not came or not self.host.log.has_events():
             return True
         came_nan = any(ops.has_nan(g) for g in came)
@@ -331,7 +330,7 @@ class CallChecks:
                     if pairs and inputs:
                         made = _backward([o for o, _ in pairs], [g for _, g in pairs], inputs, start)
                         with host.quiet():
-                            self._reproduced = not all(finite(g) for g in made if g is not None)
+                            self._reproduced = not all(ops.finite(g) for g in made if g is not None)
                         self._fresh = list(zip(inputs, made))  # read by _replay_or_report, then dropped
                         del made
             log.commit_held()
@@ -366,7 +365,7 @@ class CallChecks:
             path, stats = region.path, None
         else:
             found = next(((name, p.grad) for name, p in region.module.named_parameters()
-                          if p.grad is not None and not finite(p.grad)), None)
+                          if p.grad is not None and not ops.finite(p.grad)), None)
             if found is None:
                 return
             path, stats = f"{region.path}.{found[0]}", stats_of([found[1]], 1)[0]

@@ -30,7 +30,6 @@ from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import here
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.source import line_of
-from torch_nbdebug.record.nanwatch.core.ops import propagating_sum
 
 
 @dataclass(slots=True)
@@ -282,17 +281,17 @@ def _restored_buffers(module: torch.nn.Module) -> Iterator[None]:
     """The replay runs on detached clones of every buffer (BatchNorm's running mean/var and batch
     counter): the user's buffers are never written, so their ``_version`` (which autograd checks for
     the buffers it saved) stays; the original dict entries are put back afterwards."""
-    saved = [(m, dict(m._buffers)) for m in module.modules()]
+    saved = [(compat.buffer_registry(m), dict(compat.buffer_registry(m))) for m in module.modules()]
     try:
-        for m, buffers in saved:
+        for registry, buffers in saved:
             for name, buf in buffers.items():
                 if isinstance(buf, torch.Tensor):
-                    m._buffers[name] = buf.detach().clone()
+                    registry[name] = buf.detach().clone()
         yield
     finally:
-        for m, buffers in saved:
-            m._buffers.clear()
-            m._buffers.update(buffers)
+        for registry, buffers in saved:
+            registry.clear()
+            registry.update(buffers)
 
 
 NOT_REPLAYED = ("{module}: replay not possible ({why}); reported at module level")
@@ -319,7 +318,7 @@ class Replayer:
         if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
             return False  # an inner call's birth, replayed already: this output only carries it
         inputs = entry.live_inputs() or ()
-        if log.has_events() and any(ops.has_nan(x) for x in inputs if not _finite(x)):
+        if log.has_events() and any(ops.has_nan(x) for x in inputs if not ops.finite(x)):
             return False  # an earlier birth's NaN flowing through (an Inf turning into a NaN is replayed)
         call: Optional[Call] = entry.call.resolved() if entry.call is not None else None
         why = ("its arguments were not kept" if entry.call is None
@@ -358,11 +357,6 @@ class Replayer:
         """A sentence for the report's notes (at most three, each once)."""
         if len(self.notes) < 3 and note not in self.notes:
             self.notes.append(note)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    with torch.no_grad():
-        return bool(torch.isfinite(propagating_sum(t)))
 
 
 def user_line() -> tuple[Optional[str], Optional[int]]:
@@ -454,11 +448,11 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
             return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
         modules.append(m)
-        for p in m._parameters.values():
+        for p in compat.own_parameters(m):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
-        stack += [c for c in reversed(m._modules.values()) if c is not None]
+        stack += [c for c in reversed(compat.child_modules(m)) if c is not None]
     return modules, tuple(found)
 
 

@@ -10,7 +10,6 @@ replay only, when it was made without autograd and shares no storage with the mo
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Protocol
 
 import torch
@@ -21,7 +20,7 @@ from torch_nbdebug.record.tensors import storage_key
 
 from torch_nbdebug.record.nanwatch.context import WatchContext
 from torch_nbdebug.record.nanwatch.core.events import Place
-from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, nonfinite_reading
 from torch_nbdebug.record.nanwatch.replay.kept import Kept, KeptReadings
 
 
@@ -38,7 +37,6 @@ class KeptOwner(Protocol):
     def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
                      place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> bool: ...
 
-_isfinite = math.isfinite
 
 
 class KeptCheck:
@@ -65,8 +63,7 @@ class KeptCheck:
         for entry in checks.kept.take():
             for path in entry.paths if entry.table else ():
                 checks.layers.take_forward(path, entry.values)
-            values = entry.values
-            if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+            if nonfinite_reading(entry.values):
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
                 elif self.model_seq is not None and (how := self._made_inside(entry, self.model_seq, arg_keys)):
