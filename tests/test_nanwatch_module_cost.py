@@ -533,11 +533,11 @@ def test_a_flush_with_one_extra_tensor_still_replays_the_queued_entries_without_
     queued ops) reads them together: the entry is replayed, its held birth committed in order."""
     from torch_nbdebug.data.nanwatch import NanEvent
     from torch_nbdebug.record.nanwatch.recorder import NanRecorder
-    from torch_nbdebug.record.nanwatch.checks.deferred import Pending
+    from torch_nbdebug.record.nanwatch.checks.queued import NodeCheck
 
     rec = NanRecorder(defer=True)
     rec.log._held[7] = [NanEvent(phase="backward", op="SqrtBackward0", kind="inf")]
-    rec.deferred.pending.append(Pending("node", None, 0, (), (), (123,), (), None, 0, 7))
+    rec.deferred.pending.append(NodeCheck(None, (123,), 7))
     assert rec.flush([torch.tensor([1.0, 2.0])]) == [[1.0, 2.0]]
     assert not rec.deferred.pending and not rec.log._held
     assert [(e.phase, e.op) for e in rec.log.events] == [("backward", "SqrtBackward0")]
