@@ -20,6 +20,7 @@ from torch_nbdebug.record.nanwatch.core.layers import Later
 from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.core.params import carriers
 from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls
 
 
 Mode = Literal["op", "module"]
@@ -69,7 +70,9 @@ class WatchContext(Protocol):
     clock: Clock
     produced: StorageRegistry
     namespace: Optional[Mapping[str, Any]]
-    lr: LrGrowth
+
+    @property
+    def lr(self) -> LrGrowth: ...
 
     def module_path(self) -> Optional[str]: ...
 
@@ -169,3 +172,50 @@ class ModuleQueue(Protocol):
                      coming_in: Callable[[list[Any]], tuple[bool, ...]]) -> None: ...
 
     def queue_grad(self, path: str, grad: Any, reading: Later) -> None: ...
+
+
+class OpExaminer(Protocol):
+    """The immediate per-op check, as replay's backward runs an accumulation through it."""
+
+    def examine(self, func: Any, args: tuple, kwargs: dict, bad: list[Any], phase: OpPhase, node: Any,
+                pre: Optional[Any], seq: Optional[int]) -> None: ...
+
+
+class ModuleSide(Protocol):
+    """What replay's backward touches of the module checks."""
+
+    thread_id: int
+    replaying: bool
+
+    @property
+    def model_calls(self) -> ModelCalls: ...
+
+    def backward_started(self) -> None: ...
+
+    def gradient_birth(self, path: str, grad: Optional[TensorStats], iteration: int) -> None: ...
+
+
+class ReplayHost(WatchContext, Protocol):
+    """What replay's backward layer (``replay/backward.py``, ``replay/calls.py``) may touch of the recorder:
+    the per-op mode (whether it is on, taking it off and back for a rerun), a replay's own isolated log, the
+    watch's own hook ids, the immediate check and the module side."""
+
+    @property
+    def immediate(self) -> OpExaminer: ...
+
+    @property
+    def modules(self) -> ModuleSide: ...
+
+    def mode_on_top(self) -> bool: ...
+
+    def mode_on_stack(self) -> bool: ...
+
+    def pop_mode(self) -> None: ...
+
+    def push_mode(self) -> None: ...
+
+    def watched(self, iteration: int) -> ContextManager[None]: ...
+
+    def isolated(self) -> ContextManager[tuple[EventLog, dict[int, Place]]]: ...
+
+    def own_hook_ids(self) -> set[int]: ...

@@ -282,7 +282,7 @@ class NanRecorder:
     def isolated(self) -> Iterator[tuple[EventLog, dict[int, Place]]]:
         """A replay's own event log and forward places (its births are brought over by the caller)."""
         saved = (self.log, self._places, self._moves, self._model_place)
-        log, places = EventLog(self.options.max_events, False), {}
+        log, places = EventLog(self.options.max_events, False), dict[int, Place]()
         log.dropped = int(self.log.has_events())  # the rules read "was a birth reported before"
         self.log, self._places, self._moves = log, places, []
         try:

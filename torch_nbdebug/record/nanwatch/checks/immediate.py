@@ -32,7 +32,7 @@ class ImmediateChecks:
         inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
         values = [_confirmed(t, ops.sum_value(t)) for t in inputs]
         inplace = pre is not None and bool(inputs) and inputs[0] is args[0]
-        if inplace:
+        if pre is not None and inplace:
             values[0] = float(pre.item())  # x.log_(): judge self by its value before the op
         in_bad = [not math.isfinite(v) for v in values]
         if not any(in_bad):

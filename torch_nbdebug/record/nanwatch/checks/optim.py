@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
+from torch_nbdebug.data.nanwatch import Kind
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import module_roots, parameter_names
@@ -156,7 +157,7 @@ class OptimizerWatch:
             # The gradients' norms too: they may be gone (zero_grad) when the norms are read.
             grads = [g[0].alive() for g in record.grads if g is not None and g[1]]
             groups, norms = norm_groups(params + grads)  # type: ignore[operator]
-            if len({n.device for n in norms}) == 1:
+            if self.deferred is not None and len({n.device for n in norms}) == 1:
                 self.deferred.queue_step(torch.cat(norms), functools.partial(self._judge, record, groups))
             else:  # parameters on several devices: read now (one transfer per device)
                 self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
@@ -208,7 +209,7 @@ class OptimizerWatch:
         lr, eps = (_number(v) for v in record.settings[g])
         detail = f"lr={lr:.4g}" if lr is not None else ""
         detail += (", " if detail else "") + ("gradient finite" if grad_stats.finite else "gradient non-finite")
-        kind = "nan" if out.nan else "inf"
+        kind: Kind = "nan" if out.nan else "inf"
         if ctx.options.ignore_inf and kind == "inf":
             return
         grown = self.lrs.growth()

@@ -217,14 +217,14 @@ def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
 _UNSEEN = (None, None, None)
 
 
-def _nums(values: Optional[list[float]]) -> tuple[Optional[float], ...]:
+def _nums(values: Optional[list[float]]) -> tuple[Optional[float], Optional[float], Optional[float]]:
     """``[min, max, mean]`` for the table; JSON (the widget's sync) has no NaN/Inf: a non-finite value
     is None there, and the row's finiteness flag says why."""
     if values is None:
         return _UNSEEN
     lo, hi, mean = values
     if _isfinite(lo) and _isfinite(hi) and _isfinite(mean):
-        return tuple(values)
+        return lo, hi, mean
     return (lo if _isfinite(lo) else None, hi if _isfinite(hi) else None, mean if _isfinite(mean) else None)
 
 

@@ -35,7 +35,7 @@ class Carrier(NamedTuple):
 
     def fields(self) -> dict[str, Any]:
         """The event fields: ``param``, ``param_kind``, ``cause`` and the human ``detail``."""
-        found = dict(cause=self.cause, detail=self.detail)
+        found: dict[str, Any] = dict(cause=self.cause, detail=self.detail)
         if self.names:
             found.update(param=self.names[0], param_kind=self.kind)
         return found

@@ -61,7 +61,7 @@ class ModuleChecks:
         self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
         self._model_seq = 0  # module mode: the outermost call's first autograd node number
-        self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
+        self._left_inside: Optional[weakref.ref[torch.Tensor]] = None  # module mode: an output left to its enclosing module
         self.left_at = LeftAt()  # module mode: calls left to their enclosing module
         self.saw_half = False  # replay: a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
         # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
@@ -213,7 +213,7 @@ class ModuleChecks:
         path = self.ctx.module_path()
         if path is None or self._busy():
             return
-        t = first_float_tensor(output)
+        t: Optional[torch.Tensor] = first_float_tensor(output)
         leaves = ops.float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
         if t is None and leaves:
             t = leaves[0]  # a dataclass (or deeper) output
@@ -408,7 +408,7 @@ class ModuleChecks:
                 if self.bad_gradient is not None and nonfinite_reading(values):
                     self.bad_gradient(path, grad)
                 return
-            if queue is not None:
+            if queue is not None and later is not None:
                 queue.queue_grad(path, grad, later)
             elif nonfinite_reading(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)

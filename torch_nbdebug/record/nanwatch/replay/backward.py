@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.nanwatch.context import ReplayHost
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.replay.calls import OWN_TENSOR_HOOKS, CallChecks, may_hold_birth
@@ -136,7 +137,8 @@ class _Accumulation:
     __slots__ = ("watch", "node", "before")
 
     def __init__(self, watch: "BackwardWatch", node: Any) -> None:
-        self.watch, self.node, self.before = watch, node, None
+        self.watch, self.node = watch, node
+        self.before: Optional[torch.Tensor] = None
 
     def pre(self, grad_outputs: Any) -> None:
         try:
@@ -205,7 +207,7 @@ class BackwardWatch:
     ``modules``, ``immediate``, ``produced``, ``keep_handle``, ``internal_error``, ``quiet``,
     ``mode_on_top``/``mode_on_stack`` and ``push_mode``/``pop_mode`` (and :class:`CallChecks` more)."""
 
-    def __init__(self, host: Any, note: Callable[[str], None]) -> None:
+    def __init__(self, host: ReplayHost, note: Callable[[str], None]) -> None:
         self.host, self._note = host, note
         self.rerun_node: Any = None  # the node being run again: its births are judged by our hook
         self.unwatched = False  # a backward runs without the per-op mode

@@ -20,6 +20,7 @@ import torch
 
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.nanwatch.context import ReplayHost
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import stats_of
 from torch_nbdebug.record.nanwatch.checks.optim import nonfinite_norms
@@ -106,7 +107,7 @@ class CallChecks:
     ``own_hook_ids``, ``quiet``, ``isolated`` and ``watched``); ``unwatched()`` says whether a backward runs
     without the per-op mode now (only then are gradients kept)."""
 
-    def __init__(self, host: Any, note: Callable[[str], None], unwatched: Callable[[], bool]) -> None:
+    def __init__(self, host: ReplayHost, note: Callable[[str], None], unwatched: Callable[[], bool]) -> None:
         self.host, self._note, self._unwatched = host, note, unwatched
         self.regions: list[Region] = []
         self.replays = 0
@@ -284,7 +285,7 @@ class CallChecks:
             if new is None or g is None or id(p) not in self._finite_before or ops.finite(g) or not ops.finite(new):
                 continue
             with torch.enable_grad():
-                node = p.view_as(p).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad
+                node = p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr] # its AccumulateGrad
             with host.log.rerunning([]):
                 _engine_run_backward(host.immediate, g, new, node)
 

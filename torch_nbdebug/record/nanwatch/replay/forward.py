@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, ContextManager, Iterator, Optional
 
 import torch
 
@@ -133,7 +133,8 @@ def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
     tensors = tuple([t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)] if kwargs
                     else [t for t in args if isinstance(t, torch.Tensor)])
     rng: tuple[Optional[torch.Tensor], Optional[list[torch.Tensor]]] = (None, None)
-    seq, before = None, ()
+    seq: Optional[int] = None
+    before: tuple[int, ...] = ()
     if start is not None:
         rng, before, seq = start
     # (the tensors the start saw keep its versions; only those after them are read now)
@@ -303,7 +304,7 @@ class Replayer:
     ``watched`` is the recorder's context that puts the per-op watch on for a replay (and keeps the
     module layer out of it); ``fallback(entry)`` reports the call at module level."""
 
-    def __init__(self, ctx: Any, watched: Callable[[], Any], fallback: Callable[[Any, int], None],
+    def __init__(self, ctx: Any, watched: Callable[[int], ContextManager[None]], fallback: Callable[[Any, int], None],
                  own_hooks: Callable[[], Collection[int]] = tuple) -> None:
         self.ctx, self._watched, self._fallback, self._own_hooks = ctx, watched, fallback, own_hooks
         self.notes: list[str] = []
@@ -330,12 +331,13 @@ class Replayer:
             self.replays += 1
             probe, seq = user_line(), compat.next_sequence_nr()
             try:
-                if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type]
+                if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type] # (call: not None here)
                     self.note(f"{path}: the replay changed the module's attributes (put back)")
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands (unless it found the op)
                 if not log.since(before):
                     why = f"the replay raised {type(exc).__name__}: {exc}"
         if not why:
+            assert call is not None  # (no reason not to replay: its arguments were found)
             shift = call.seq - seq if call.seq is not None else None
             for i, event in enumerate(log.since(before), before):
                 log.rewrite(i, relocated(event, probe, entry.place, shift))
