@@ -33,8 +33,8 @@ from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode, take_function
 from torch_nbdebug.record.nanwatch.modules.checks import HALF_UNWATCHED, ModuleChecks
 from torch_nbdebug.record.nanwatch.modules.tracker import ThreadTracker, not_traced
 from torch_nbdebug.record.nanwatch.checks.optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch.replay.forward import (Replayer, relocated, replay_call, user_line, why_not_replayable,
-                                                  with_forward)
+from torch_nbdebug.record.nanwatch.replay.births import name_backward_births
+from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
 from torch_nbdebug.record.nanwatch.recording import NanRecording
 
@@ -279,11 +279,12 @@ class NanRecorder:
         return self._replay_watch(iteration)
 
     @contextlib.contextmanager
-    def isolated(self) -> Iterator[tuple[EventLog, dict[int, Place]]]:
-        """A replay's own event log and forward places (its births are brought over by the caller)."""
+    def isolated(self, carry: bool = True) -> Iterator[tuple[EventLog, dict[int, Place]]]:
+        """A replay's own event log and forward places (its births are brought over by the caller).
+        ``carry``: its rules know whether a birth was reported before (else it starts as a new watch)."""
         saved = (self.log, self._places, self._moves, self._model_place)
         log, places = EventLog(self.options.max_events, False), dict[int, Place]()
-        log.dropped = int(self.log.has_events())  # the rules read "was a birth reported before"
+        log.dropped = int(carry and self.log.has_events())  # the rules read "was a birth reported before"
         self.log, self._places, self._moves = log, places, []
         try:
             yield log, places
@@ -302,45 +303,8 @@ class NanRecorder:
                 self.backward_watch.forget()  # the weights change: no call before this step replays
 
     def name_backward_births(self) -> None:
-        """Replay: a backward birth of an op run inside a model's forward (no per-op watch there) knows
-        only the module; replay that forward under the per-op watch (same arguments, weights, RNG) to
-        name its forward op and line, as the always-on watch does."""
-        calls = self.modules.model_calls
-        try:
-            events = self.log.events
-            todo = [i for i, e in enumerate(events)
-                    if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
-            for module, call, end, where in calls.calls if todo else []:
-                mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
-                if mine and not why_not_replayable(call, module, self.own_hook_ids()):
-                    places = self._replayed_places(module, call, where)
-                    for i in mine:
-                        place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]
-                        if place is not None:
-                            self.log.rewrite(i, with_forward(events[i], place))
-        except Exception as exc:  # noqa: BLE001 - the module-level answer stands
-            self.internal_error("the replay of a forward", exc)
-        finally:
-            calls.clear()
-
-    def _replayed_places(self, module: torch.nn.Module, call: Any, where: Place) -> dict[int, Place]:
-        """The forward places of a replayed call, by the original call's sequence numbers; the line the
-        replay ran from becomes the line of the original call (``where``)."""
-        log, places = self.log, self._places
-        self.log, self._places = EventLog(self.options.max_events, False), {}  # its births are known already
-        probe, start = user_line(), _get_sequence_nr()
-        try:
-            replay_call(module, call, lambda: self._replay_watch(self.clock.iteration))
-            found, replayed = self._places, self.log
-        finally:
-            self.log, self._places = log, places
-        # Forward births the replay saw thrown away (where/masked_fill) are what the always-on watch
-        # lists as absorbed: the backward birth's hint (the where trap) depends on them.
-        thrown = [replayed.events[i] for i in sorted(replayed.absorbed)]
-        for event in thrown:
-            log.add_absorbed(relocated(event, probe, where, call.seq - start))
-        return {seq + call.seq - start: place if (place.filename, place.lineno) != probe else
-                where._replace(op=place.op, module=place.module) for seq, place in found.items()}
+        """Replay: name the forward op and line of the backward births of the model calls just run."""
+        name_backward_births(self)
 
     @contextlib.contextmanager
     def _replay_watch(self, iteration: int) -> Iterator[None]:

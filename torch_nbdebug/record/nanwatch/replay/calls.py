@@ -227,7 +227,7 @@ class CallChecks:
     def not_replayable(self, region: Region, forward: bool = False) -> str:
         """Why the call cannot be replayed exactly ("" when it can); asked before its backward starts
         (then that backward runs watched) and again after it. ``forward``: only the reasons that keep its
-        forward from being replayed too (``Recorder.name_backward_births`` refuses the same)."""
+        forward from being replayed too (``replay.births.name_backward_births`` refuses the same)."""
         reason = why_not_replayable(region.call, region.module, self.host.own_hook_ids())
         if reason or forward:
             return reason
