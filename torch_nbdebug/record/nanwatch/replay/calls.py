@@ -24,10 +24,11 @@ from torch_nbdebug.record.nanwatch.context import ReplayHost
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import stats_of
 from torch_nbdebug.record.nanwatch.checks.optim import nonfinite_norms
+from torch_nbdebug.record.nanwatch.replay.graph import (_engine_run_backward, backward_of, dense_grads, detached,
+                                                        float_grads, roots, tensors)
 from torch_nbdebug.record.nanwatch.replay.forward import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
                                                   why_not_replayable)
 
-_STRIDED = torch.strided
 _MAX_REGIONS = 8  # model calls waiting for their backward (two forwards, then one backward)
 _MAX_DROPPED = 4096  # sequence ranges of the calls dropped before one backward (to name its births)
 
@@ -202,7 +203,7 @@ class CallChecks:
         grads: list[torch.Tensor] = []
         owner: list[int] = []
         for i, region in enumerate(regions):
-            found = _float_grads(self._call_parameters(region))
+            found = float_grads(self._call_parameters(region))
             grads += found
             owner += [i] * len(found)
         values = nonfinite_norms(grads) if grads else None
@@ -239,7 +240,7 @@ class CallChecks:
     def grads_before(self, regions: list[Region]) -> None:
         """As the backward starts: which parameters of ``regions`` hold a finite ``.grad`` (only those can
         overflow in this backward's accumulation; one batched norm, read when a ``.grad`` exists)."""
-        pairs = [pair for r in regions for pair in _dense_grads(self._call_parameters(r))]
+        pairs = [pair for r in regions for pair in dense_grads(self._call_parameters(r))]
         self._finite_before = set()
         if not pairs:
             return
@@ -308,9 +309,9 @@ class CallChecks:
         gradients into the call's outputs say its non-finite values came from outside."""
         host, call, module = self.host, region.call, region.module
         indices = sorted(region.grads)
-        args, kwargs, arg_inputs = _detached(call.args), _detached(call.kwargs), []
+        args, kwargs, arg_inputs = detached(call.args), detached(call.kwargs), []
         for value in (args, kwargs):
-            arg_inputs += [t for t in _tensors(value) if t.requires_grad]
+            arg_inputs += [t for t in tensors(value) if t.requires_grad]
         self.replays += 1
         self._reproduced = False
         with host.isolated() as (log, places):
@@ -321,7 +322,7 @@ class CallChecks:
                     for seq, place in list(places.items()):  # a library module's ops: the call's line
                         if (place.filename, place.lineno) == probe and region.where is not None:
                             places[seq] = region.where._replace(op=place.op, module=place.module)
-                    pairs = _roots([(leaves[i], region.grads[i]) for i in indices
+                    pairs = roots([(leaves[i], region.grads[i]) for i in indices
                                     if i < len(leaves) and leaves[i].requires_grad], start)
                     with host.quiet():  # (our reads are not the call's ops)
                         if not self._judged(region, [g for _, g in pairs]):
@@ -329,7 +330,7 @@ class CallChecks:
                     inputs = list(self._parameters(module)) + arg_inputs
                     host.produced.add_all([g for _, g in pairs])  # made by backward ops, as for the always-on watch
                     if pairs and inputs:
-                        made = _backward([o for o, _ in pairs], [g for _, g in pairs], inputs, start)
+                        made = backward_of([o for o, _ in pairs], [g for _, g in pairs], inputs, start)
                         with host.quiet():
                             self._reproduced = not all(ops.finite(g) for g in made if g is not None)
                         self._fresh = list(zip(inputs, made))  # read by _replay_or_report, then dropped
@@ -371,114 +372,3 @@ class CallChecks:
                 return
             path, stats = f"{region.path}.{found[0]}", stats_of([found[1]], 1)[0]
         self.host.modules.gradient_birth(path, stats, self.host.clock.iteration)
-
-
-
-def _backward(outs: list[torch.Tensor], grads: list[Any], inputs: list[torch.Tensor],
-              start: int) -> list[Optional[torch.Tensor]]:
-    """The replayed call's backward, accumulating into no ``.grad`` of the user's: ``autograd.grad``; a
-    reentrant checkpoint refuses it, so there ``backward()`` runs with every leaf's ``.grad`` it can
-    reach (and the call's parameters') set aside and put back afterwards (the same tensors). Returns the
-    gradients it computed for ``inputs`` (None where unused; the caller drops them once read)."""
-    leaves, reentrant = _graph_leaves(outs, start)
-    if not reentrant:
-        return list(torch.autograd.grad(outs, inputs, grad_outputs=grads, allow_unused=True))
-    held = list({id(t): t for t in [*inputs, *leaves]}.values())
-    saved = [t.grad for t in held]
-    try:
-        for t in held:
-            t.grad = None
-        torch.autograd.backward(outs, grads)
-        made = {id(t): t.grad for t in held}
-        return [made[id(t)] for t in inputs]
-    finally:
-        for t, g in zip(held, saved):
-            t.grad = g
-
-
-def _graph_leaves(outs: list[torch.Tensor], start: int) -> tuple[list[torch.Tensor], bool]:
-    """The leaf tensors a replayed graph accumulates into, and whether it holds a reentrant checkpoint."""
-    leaves: list[torch.Tensor] = []
-    reentrant, seen = False, {}  # (nodes held while walking: ids of freed objects are reused)
-    stack = [t.grad_fn for t in outs]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen[id(fn)] = fn
-        variable = getattr(fn, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            leaves.append(variable)
-            continue
-        if compat.node_sequence_nr(fn) < start:
-            continue
-        reentrant = reentrant or "CheckpointFunction" in fn.name()
-        stack += [f for f, _ in fn.next_functions]
-    return leaves, reentrant
-
-
-def _roots(pairs: list[tuple[torch.Tensor, Any]], start: int) -> list[tuple[torch.Tensor, Any]]:
-    """The replayed outputs that no other output was computed from (a model returning ``(loss, logits)``:
-    the loss; the gradient into the logits came through it), with their gradients."""
-    if len(pairs) < 2:
-        return pairs
-    reached: dict[int, Any] = {}  # (held while walking: ids of freed objects are reused)
-    for t, _ in pairs:
-        stack = [f for f, _ in t.grad_fn.next_functions] if t.grad_fn is not None else []
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in reached:
-                continue
-            seq = compat.node_sequence_nr(fn)
-            if seq == compat.NO_SEQUENCE or seq < start:
-                continue
-            reached[id(fn)] = fn
-            stack += [f for f, _ in fn.next_functions]
-    return [(t, g) for t, g in pairs if t.grad_fn is None or id(t.grad_fn) not in reached]
-
-
-def _dense_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, its ``.grad``) where the ``.grad`` is a plain strided tensor (each ``.grad`` read once)."""
-    pairs = []
-    for p in params:
-        g = p.grad
-        if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED:
-            pairs.append((p, g))
-    return pairs
-
-
-def _float_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[torch.Tensor]:
-    """The floating-point ones of :func:`_dense_grads`' gradients."""
-    return [g for _, g in _dense_grads(params) if g.is_floating_point()]
-
-
-def _detached(value: Any) -> Any:
-    """The call's arguments, each float tensor that requires grad detached (a leaf of the replay's own
-    graph: its backward never runs into the user's graph, whose buffers may be freed)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_() if value.requires_grad and ops.checkable(value) else value
-    if type(value) in (list, tuple):
-        return type(value)(_detached(v) for v in value)
-    if type(value) is dict:
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if type(value) in (list, tuple):
-        return [t for v in value for t in _tensors(v)]
-    if type(value) is dict:
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _engine_run_backward(checks: Any, grad: torch.Tensor, new: torch.Tensor, node: Any) -> None:
-    """A parameter's accumulation ``grad += new`` (already done: ``grad`` holds the non-finite sum; the
-    old value was finite) judged as the always-on watch judges the ``add_`` the autograd engine ran in
-    the parameter's ``AccumulateGrad``. Named as torch's engine entry on purpose: the walk for the
-    user's own backward code (``nanwatch_events.user_backward_frame``) stops at this frame, as it stops
-    for every op the engine runs; the line is then the one that called ``backward()``."""
-    checks.examine(torch.ops.aten.add_.Tensor, (grad, new), {}, [grad], "backward", node,
-                   torch.zeros((), dtype=grad.dtype), None)
