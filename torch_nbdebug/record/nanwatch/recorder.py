@@ -1,7 +1,7 @@
 """Record where NaN/Inf values are born: forward and backward ops, module outputs, optimizer steps.
 
 A birth is an op whose output is non-finite while all its floating inputs are finite (the rules are
-in :mod:`nanwatch_births`, one pure function for every path). Checks are a NaN/Inf-propagating sum
+in :mod:`core.rules`, one pure function for every path). Checks are a NaN/Inf-propagating sum
 of each output: read at once on the immediate path (CPU), queued on the device and read once per
 training step (when the backward starts) and at the end of the watch on the deferred one (CUDA).
 The recorder wires small components together; each gets a :class:`WatchContext` (options, the event
@@ -84,7 +84,7 @@ class NanRecorder:
         # line, so a backward birth names the module (and the call's line) of its forward op.
         self._moves: list[tuple[int, Optional[str]]] = []
         self._model_place: Optional[Place] = None
-        # replay: the backward runs without the per-op mode (nanwatch_backward); the gate catches its start
+        # replay: the backward runs without the per-op mode (replay.backward); the gate catches its start
         self.backward_watch: Optional[BackwardWatch] = None
         self._gate: Optional[BackwardGate] = None
         self._suspended_gate: Optional[BackwardGate] = None
@@ -260,7 +260,7 @@ class NanRecorder:
             except Exception as exc:  # noqa: BLE001 - see OpWatchMode
                 self.internal_error(f"the output of {type(module).__name__}", exc)
 
-    # -- what the backward layer uses (nanwatch_backward) ---------------------------------------
+    # -- what the backward layer uses (replay.backward) ---------------------------------------
     def mode_on_top(self) -> bool:
         mode = self._mode
         return mode is not None and bool(_stack_len()) and _stack_at(_stack_len() - 1) is mode
@@ -373,7 +373,7 @@ class NanRecorder:
             self._grad_handles = [h for h in self._grad_handles if h.hooks_dict_ref() is not None]
 
     def flush(self, extra: Sequence[torch.Tensor] = ()) -> list[list[float]]:
-        """Read what waits on the device — module statistics, deferred checks (see nanwatch_deferred)
+        """Read what waits on the device — module statistics, deferred checks (see checks.deferred)
         and ``extra`` — in one transfer per device (one host synchronisation on CUDA); replay the
         checks in order; return ``extra``'s values."""
         self._quiet += 1

@@ -81,7 +81,7 @@ class _Row:
 class Later:
     """One deferred reading handed back: its ``[min, max, mean]`` once the flush has read it (None
     until then). The deferred module-mode check of the same output or gradient judges it from these
-    (nanwatch_deferred); other paths ask for none."""
+    (checks.deferred); other paths ask for none."""
 
     __slots__ = ("values",)
 

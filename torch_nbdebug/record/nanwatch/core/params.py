@@ -57,7 +57,7 @@ def storage_index(namespace: Optional[Mapping[str, Any]]) -> dict[int, tuple[str
     return index
 
 
-# Autograd nodes of ops that only copy or select values (the unchecked ops of nanwatch_ops._SAFE that make
+# Autograd nodes of ops that only copy or select values (the unchecked ops of core.ops._SAFE that make
 # a graph): a non-finite value after one of them was already in what it read.
 _COPIES = frozenset("""
 EmbeddingBackward0 EmbeddingDenseBackward0 IndexSelectBackward0 GatherBackward0 IndexBackward0 CloneBackward0

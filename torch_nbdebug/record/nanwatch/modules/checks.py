@@ -50,7 +50,7 @@ class ModuleChecks:
         # (weakref, values, hook, version) of the last output: a container returning it unchanged has its numbers
         self._last_exit: Optional[tuple[LiveRef, Optional[list[float]], Optional[_GradHook]]] = None
         self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
-        # replay=True (see use_replay): outputs and gradients are kept and checked together (nanwatch_kept).
+        # replay=True (see use_replay): outputs and gradients are kept and checked together (replay.kept).
         # Without replay each output is read as its module exits: on a CPU that is as cheap (the same
         # statistics ops, and reading a CPU scalar is no synchronisation), and CUDA has its deferred path.
         self.kept: Optional[KeptReadings] = None
@@ -64,7 +64,7 @@ class ModuleChecks:
         self._left_inside: Optional[weakref.ref[torch.Tensor]] = None  # module mode: an output left to its enclosing module
         self.left_at = LeftAt()  # module mode: calls left to their enclosing module
         self.saw_half = False  # replay: a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
-        # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
+        # replay: told of each non-finite gradient into a module output (replay.backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
     def mine(self) -> bool:
@@ -200,7 +200,7 @@ class ModuleChecks:
     def check_kept(self) -> None:
         """Replay: read every kept output (one transfer), in the order the modules exited: the table's
         statistics, and a non-finite output goes to the replayer (innermost call first). See
-        :class:`~nanwatch_inside.KeptCheck`."""
+        :class:`~replay.inside.KeptCheck`."""
         outer, self._outer_call = self._outer_call, None
         if self.kept is None or not self.kept.entries or self.replayer is None:  # (both set by use_replay)
             return

@@ -17,7 +17,7 @@ unwatched is then checked:
   the dispatch mode (it is the user's own backward code).
 - **A model's call** (its forward ran without the per-op mode): checked at module granularity and
   replayed, forward and backward, under the per-op watch when a gradient inside went non-finite
-  (:mod:`nanwatch_backward_calls`). A non-finite gradient that a masking node inside zeroes (``relu``,
+  (:mod:`replay.calls`). A non-finite gradient that a masking node inside zeroes (``relu``,
   ``clamp``, ``where``, ``masked_fill``...: ``_ABSORBS``) leaves every gradient the module checks see
   finite; a pre hook on each such node of the calls the backward reaches (found by the same walk, removed
   when it ends) marks the call for its replay.
@@ -454,7 +454,7 @@ class BackwardWatch:
         del made
 
     # -- model calls ---------------------------------------------------------------------------
-    # -- model calls (nanwatch_backward_calls) --------------------------------------------------
+    # -- model calls (replay.calls) --------------------------------------------------
     @property
     def regions(self) -> list[Any]:
         return self.calls.regions

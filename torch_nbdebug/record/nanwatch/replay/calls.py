@@ -1,4 +1,4 @@
-"""The model calls' side of nanwatch's unwatched backward (``replay=True``; see :mod:`nanwatch_backward`).
+"""The model calls' side of nanwatch's unwatched backward (``replay=True``; see :mod:`replay.backward`).
 
 A model call whose forward ran without the per-op mode is a :class:`Region` until the backward after it
 is checked: the gradients into its float outputs are kept (tensor hooks) until the backward ends; a
@@ -35,7 +35,7 @@ _MAX_DROPPED = 4096  # sequence ranges of the calls dropped before one backward 
 
 def may_hold_birth(came_bad: bool, came_nan: bool, made_nan: bool, had_events: bool) -> bool:
     """Whether ops that made non-finite gradients can hold a birth or input data by the rules of
-    ``nanwatch_births.judge``, knowing only what reached them (``came_*``) and what they made: the
+    ``core.rules.judge``, knowing only what reached them (``came_*``) and what they made: the
     gradients reached them finite, or nothing was reported yet (input data), or a NaN came out of
     infinities only. Otherwise every op there judges "propagation": nothing to run again."""
     return not came_bad or not had_events or (made_nan and not came_nan)
@@ -51,7 +51,7 @@ class Region:
         self.active = False  # a gradient reached the call in the running backward
         self.args_bad = self.args_nan = False
         self.inner: Optional[tuple[str, TensorStats]] = None  # the first non-finite module gradient
-        self.absorbed = False  # a non-finite gradient reached a masking node inside (``nanwatch_backward._Absorber``)
+        self.absorbed = False  # a non-finite gradient reached a masking node inside (``replay.backward._Absorber``)
         self.checked = False  # a backward through it was checked
         self.saved_hooks = compat.saved_tensors_hooks_active()  # a replay would run their pack/unpack again
 
@@ -292,7 +292,7 @@ class CallChecks:
 
     def _judged(self, region: Region, grads: list[torch.Tensor]) -> bool:
         """Whether the always-on watch could find a birth (or input data) inside the call, given the
-        gradients into its outputs (``nanwatch_births.judge``: finite ones, nothing reported yet, or
+        gradients into its outputs (``core.rules.judge``: finite ones, nothing reported yet, or
         a NaN inside from infinities only)."""
         came = [g for g in grads if not ops.finite(g)]
         if not came or not self.host.log.has_events():

@@ -1,7 +1,7 @@
 """Pinpoint by replay: re-run one module call under the per-op watch when its output went non-finite.
 
 With ``replay=True`` the per-op dispatch mode is off while a model's forward runs; the cheap module
-layer (:mod:`nanwatch_kept`) keeps each module call's output, arguments, the RNG state it started
+layer (:mod:`replay.kept`) keeps each module call's output, arguments, the RNG state it started
 with and the arguments' ``_version``. When the kept output is non-finite, :func:`replay_call` runs
 that call again, with the same arguments and parameters (the check runs before ``optimizer.step``
 changes them) and the same RNG state, under the per-op watch, so the event names the op and line the
@@ -12,7 +12,7 @@ no backward runs (no ``.grad``), autocast is as it was in the call, and the repl
 dropped. When the arguments were changed in place since the call, or one is an object the call may
 update (a KV cache), or a hook would run again, the replay is not attempted; the caller then reports
 at module level and says why. A birth in a model's backward is replayed the same way, forward and
-backward together (:mod:`nanwatch_backward_calls`, with :func:`replay_context`).
+backward together (:mod:`replay.calls`, with :func:`replay_context`).
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ class Replayer:
         self.replays = 0
 
     def birth(self, entry: Any, first: int = 0, fallback: bool = True) -> bool:
-        """``entry`` (a forward :class:`~nanwatch_kept.Kept`) came out non-finite: find who made it.
+        """``entry`` (a forward :class:`~replay.kept.Kept`) came out non-finite: find who made it.
         ``first``: the log's length when this check began (events of earlier checks are other births)."""
         log, path = self.ctx.log, entry.paths[0]
         if compat.current_autograd_node() is not None:

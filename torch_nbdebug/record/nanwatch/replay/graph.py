@@ -116,7 +116,7 @@ def _engine_run_backward(checks: Any, grad: torch.Tensor, new: torch.Tensor, nod
     """A parameter's accumulation ``grad += new`` (already done: ``grad`` holds the non-finite sum; the
     old value was finite) judged as the always-on watch judges the ``add_`` the autograd engine ran in
     the parameter's ``AccumulateGrad``. Named as torch's engine entry on purpose: the walk for the
-    user's own backward code (``nanwatch_events.user_backward_frame``) stops at this frame, as it stops
+    user's own backward code (``core.events.user_backward_frame``) stops at this frame, as it stops
     for every op the engine runs; the line is then the one that called ``backward()``."""
     checks.examine(torch.ops.aten.add_.Tensor, (grad, new), {}, [grad], "backward", node,
                    torch.zeros((), dtype=grad.dtype), None)
