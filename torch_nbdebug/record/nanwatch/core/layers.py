@@ -200,10 +200,6 @@ class LayerRecorder:
         self.flush()
         return tuple([_to_stats(path, row, path in birth_modules) for path, row in self._rows.items()])
 
-    def clear(self) -> None:
-        self._rows.clear()
-        self._waiting, self._parts = [], []
-
 
 def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
     # (positional, no helper per side: this runs for every row at every watch's end)

@@ -218,12 +218,6 @@ class EventLog:
                 self.events[i] = dataclasses.replace(event, cause="grad_scaler_skip", detail=SCALER_SKIPPED)
                 self.absorbed.add(i)
 
-    def take(self) -> tuple[list[NanEvent], set[int]]:
-        """Hand the events over (the report is built from them) and start empty."""
-        events, absorbed = self.events, self.absorbed
-        self.events, self.absorbed = [], set()
-        return events, absorbed
-
     def clear_keys(self) -> None:
         self._birth_keys.clear()
         self._carried.clear()
