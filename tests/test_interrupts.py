@@ -413,7 +413,7 @@ def _recorder(tool: str) -> tuple[Any, Callable[[], Any], Callable[[], Any]]:
         rep = ReproRecorder({})
         return ReproRecorder, rep.__enter__, lambda: rep.__exit__(None, None, None)
     if tool == "nanwatch":
-        from torch_nbdebug.record.nanwatch import NanRecorder
+        from torch_nbdebug.record.nanwatch.recorder import NanRecorder
 
         nan = NanRecorder({})
         return NanRecorder, nan.start, nan.stop

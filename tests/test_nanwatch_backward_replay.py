@@ -20,7 +20,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from torch_nbdebug.api.nanwatch import nanwatch
-from torch_nbdebug.record import compat, nanwatch_backward, nanwatch_backward_calls
+from torch_nbdebug.record import compat
+from torch_nbdebug.record.nanwatch.replay import backward as nanwatch_backward
+from torch_nbdebug.record.nanwatch.replay import calls as nanwatch_backward_calls
 
 from nanwatch_paths import both, immediate_path, marker_line  # noqa: F401 - immediate_path: every test here, CPU path
 

@@ -7,9 +7,9 @@ from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.process.nanwatch import cause_of, hint
-from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, is_mask, judge, judge_absorb, judge_gradient,
+from torch_nbdebug.record.nanwatch.core.rules import (InputFact, OpFacts, is_mask, judge, judge_absorb, judge_gradient,
                                                   judge_module, keeps_backward_birth)
-from torch_nbdebug.record.nanwatch_log import EventLog
+from torch_nbdebug.record.nanwatch.core.log import EventLog
 
 FINE = InputFact(bad=False, nan=False, neg_inf_only=False, external=False, from_absorbed=False)
 NAN_DATA = InputFact(bad=True, nan=True, neg_inf_only=False, external=True, from_absorbed=False)
@@ -84,6 +84,35 @@ def test_log_owns_dedupe_absorption_holding_and_raising() -> None:
     raising.commit_held()  # stopping never raises
     with pytest.raises(NanBirthError):
         raising.add(_event())
+
+
+def test_the_log_answers_what_a_check_added_and_rewrites_in_place() -> None:
+    log = EventLog(max_events=10, raise_on_birth=False)
+    log.add(_event(op="aten.div.Tensor"))
+    mark = log.mark()
+    assert log.since(mark) == []
+    log.add(_event(op="aten.log.default"))
+    assert [e.op for e in log.since(mark)] == ["aten.log.default"]
+    log.rewrite(1, _event(op="aten.log.default", lineno=12))
+    assert [e.lineno for e in log.events] == [None, 12] and [e.lineno for e in log.since(0)] == [None, 12]
+
+
+def test_births_held_while_a_node_runs_again_are_decided_when_it_returns() -> None:
+    """A node run again from its own hook (replay's backward): no hook is asked for the births it holds,
+    and they are kept or dropped by the gradients that left the node the first time."""
+    log = EventLog(max_events=10, raise_on_birth=False)
+    with log.rerunning([True]):
+        assert not log.hold(5, _event("backward", op="SqrtBackward0"))  # no hook: decided here
+        assert log.events == []
+    assert [e.op for e in log.events] == ["SqrtBackward0"] and not log.is_held(5)
+    with log.rerunning([False]):  # masked inside the node: not a birth
+        log.hold(6, _event("backward"))
+    assert len(log.events) == 1 and not log.is_held(6)
+    assert log.hold(7, _event("backward"))  # outside a rerun: its node needs a hook
+    with pytest.raises(RuntimeError), log.rerunning([True]):  # the rerun raised: held until the end
+        log.hold(8, _event("backward"))
+        raise RuntimeError
+    assert log.is_held(8) and len(log.events) == 1
 
 
 def test_scaler_skip_moves_backward_births_to_absorbed_with_a_cause() -> None:

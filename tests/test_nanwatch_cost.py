@@ -20,7 +20,7 @@ from torch import nn
 from bench_files import bench_module
 from host_syncs import OpCount
 from torch_nbdebug.api.nanwatch import nanwatch
-from torch_nbdebug.record.nanwatch_optim import GRAD_GONE
+from torch_nbdebug.record.nanwatch.checks.optim import GRAD_GONE
 
 _READS = ("item", "tolist", "numpy", "__bool__", "cpu", "to")
 
@@ -170,7 +170,7 @@ def _line(marker: str) -> int:
 def test_the_optimizer_check_is_one_batched_norm_and_nothing_per_parameter() -> None:
     """After each step: one ``_foreach_norm`` and one ``stack`` per (device, dtype) group, no op per
     parameter (a ``detach`` each was a tenth of the check on the small model)."""
-    from torch_nbdebug.record.nanwatch_optim import norm_groups
+    from torch_nbdebug.record.nanwatch.checks.optim import norm_groups
 
     model, _ = small_gpt_step()
     params = list(model.parameters())
@@ -212,7 +212,7 @@ def test_a_watched_backward_lists_the_weights_without_module_parameters(monkeypa
 def test_the_backward_walk_names_each_node_class_once_and_knows_a_padding_embedding() -> None:
     """The walk before the engine starts judges a node by its class (``name()`` read once per class);
     an embedding masks its gradient only with a ``padding_idx``, whichever came first."""
-    from torch_nbdebug.record.nanwatch_backward import _KINDS, BackwardWatch
+    from torch_nbdebug.record.nanwatch.replay.backward import _KINDS, BackwardWatch
 
     weight = torch.randn(5, 3, requires_grad=True)
     idx = torch.tensor([0, 1, 2])
@@ -232,7 +232,7 @@ def test_the_backward_walk_names_each_node_class_once_and_knows_a_padding_embedd
 def test_the_module_tree_walk_lists_what_modules_and_parameters_list() -> None:
     """One loop gives ``modules()`` and ``parameters()`` (each once, in order: shared modules and
     weights too); a class that lists its modules its own way gets its own listing."""
-    from torch_nbdebug.record.nanwatch_replay import module_tree
+    from torch_nbdebug.record.nanwatch.replay.forward import module_tree
 
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared, nn.Linear(3, 2)), nn.LayerNorm(2))
@@ -256,7 +256,7 @@ def test_the_module_tree_walk_lists_what_modules_and_parameters_list() -> None:
 def test_a_kept_module_output_has_its_statistics_from_when_the_module_returned() -> None:
     """The replay's module layer computes each output's min, max and sum as the module returns (the
     output is still in the cache then) and reads them all when the outermost call returns."""
-    from torch_nbdebug.record.nanwatch_kept import KeptReadings
+    from torch_nbdebug.record.nanwatch.replay.kept import KeptReadings
 
     kept = KeptReadings()
     t = torch.tensor([1.0, -2.0, 4.0])
@@ -271,7 +271,8 @@ def test_a_finite_forward_builds_a_replay_call_and_finds_the_users_line_for_the_
     """On the CPU each module output is read as the module returns: a finite one needs no replay, so
     neither its call's arguments nor the user's line (a stack walk) are taken; only the model call's,
     whatever the number of modules inside it."""
-    from torch_nbdebug.record import nanwatch_events, nanwatch_replay
+    from torch_nbdebug.record.nanwatch.core import events as nanwatch_events
+    from torch_nbdebug.record.nanwatch.replay import forward as nanwatch_replay
 
     walk, make_call = nanwatch_events.user_frame, nanwatch_replay.Call
 

@@ -20,8 +20,8 @@ from host_syncs import OpCount, SmallGPT, counting_host_syncs
 from torch_nbdebug.api.nanwatch import nanwatch
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import ModuleNamer, qualified_names
-from torch_nbdebug.record.nanwatch_deferred import _flags, reading_flags
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder, first_float_tensor, stat_values
+from torch_nbdebug.record.nanwatch.checks.deferred import _flags, reading_flags
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, first_float_tensor, stat_values
 
 def test_a_deferred_reading_is_two_reductions_and_the_readings_are_stacked_once() -> None:
     """On the device each reading is ``aminmax`` and ``sum`` (no casts, no division, no stack per
@@ -172,7 +172,7 @@ def test_kept_outputs_on_a_device_are_read_once_per_model_call(monkeypatch: pyte
     """``replay=True``, outputs on a device (CUDA: the CPU stands in, its read-at-exit switched off): the
     module outputs of a forward are read together, with one host read, when the model returns (not one
     read per module)."""
-    from torch_nbdebug.record import nanwatch_modules
+    from torch_nbdebug.record.nanwatch.modules import checks as nanwatch_modules
 
     monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", False)
     model, idx = SmallGPT(), torch.randint(0, 512, (2, 16))
@@ -232,7 +232,7 @@ class _OwnParameters(nn.Module):
 def test_the_fast_parameter_walk_lists_what_parameters_lists(make: Callable[[], nn.Module]) -> None:
     """The model call's weights (kept for the backward's replay) are ``module.parameters()``: the same
     tensors in the same order, shared ones once, whatever the tree."""
-    from torch_nbdebug.record.nanwatch_replay import parameters_of
+    from torch_nbdebug.record.nanwatch.replay.forward import parameters_of
 
     module = make()
     assert [id(p) for p in parameters_of(module)] == [id(p) for p in module.parameters()]
@@ -277,7 +277,7 @@ def test_an_inplace_module_is_known_as_getattr_knows_it(module: nn.Module) -> No
     """The check before an in-place module runs (it may overwrite a kept output) asks what
     ``getattr(module, "inplace", False) is True`` says, for instance attributes, class attributes,
     properties and modules forwarding attribute lookups."""
-    from torch_nbdebug.record.nanwatch_modules import declares_inplace
+    from torch_nbdebug.record.nanwatch.modules.checks import declares_inplace
 
     assert declares_inplace(module) is (getattr(module, "inplace", False) is True)
 
@@ -285,7 +285,7 @@ def test_an_inplace_module_is_known_as_getattr_knows_it(module: nn.Module) -> No
 def test_a_call_keeps_the_versions_its_arguments_had_when_it_started() -> None:
     """The positional tensors' versions are those at the call's start (a forward writing its own input
     cannot be replayed); keyword tensors are read as the call returns; autocast is recorded as on."""
-    from torch_nbdebug.record.nanwatch_replay import call_start, capture
+    from torch_nbdebug.record.nanwatch.replay.forward import call_start, capture
 
     x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
     start = call_start((x, 2.0, y))
@@ -302,7 +302,7 @@ def test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A finite forward reads the user's line once, at the model call's exit: the model call (which
     names backward births) has the line that called the model, with no module and no op."""
-    from torch_nbdebug.record import nanwatch_kept
+    from torch_nbdebug.record.nanwatch.replay import kept as nanwatch_kept
 
     walks: list[Optional[str]] = []
     real_here = nanwatch_kept.here
@@ -332,7 +332,7 @@ def test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the
 def test_the_exit_hook_is_never_traced_by_dynamo() -> None:
     """``not_traced(hook)`` runs the hook as ``torch.compiler.disable(hook)`` would: called with its
     arguments, its result returned, and never while Dynamo traces a compiled function that calls it."""
-    from torch_nbdebug.record.nanwatch import not_traced
+    from torch_nbdebug.record.nanwatch.modules.tracker import not_traced
 
     seen: list[bool] = []
 
@@ -532,12 +532,12 @@ def test_a_flush_with_one_extra_tensor_still_replays_the_queued_entries_without_
     the queue holds an entry with no device flags (a backward node whose gradients were all written by
     queued ops) reads them together: the entry is replayed, its held birth committed in order."""
     from torch_nbdebug.data.nanwatch import NanEvent
-    from torch_nbdebug.record.nanwatch import NanRecorder
-    from torch_nbdebug.record.nanwatch_deferred import Pending
+    from torch_nbdebug.record.nanwatch.recorder import NanRecorder
+    from torch_nbdebug.record.nanwatch.checks.queued import NodeCheck
 
     rec = NanRecorder(defer=True)
     rec.log._held[7] = [NanEvent(phase="backward", op="SqrtBackward0", kind="inf")]
-    rec.deferred.pending.append(Pending("node", None, 0, (), (), (123,), (), None, 0, 7))
+    rec.deferred.pending.append(NodeCheck(None, (123,), 7))
     assert rec.flush([torch.tensor([1.0, 2.0])]) == [[1.0, 2.0]]
     assert not rec.deferred.pending and not rec.log._held
     assert [(e.phase, e.op) for e in rec.log.events] == [("backward", "SqrtBackward0")]

@@ -14,9 +14,9 @@ from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
 from torch_nbdebug.record.compiled import CompiledCode
 from torch_nbdebug.record.modules import module_at, module_roots
-from torch_nbdebug.record.nanwatch import NanRecorder
+from torch_nbdebug.record.nanwatch import NanRecorder, NanRecording, uses_replay
 from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
-                                        running_cell_number, skipped_note)
+                                         running_cell_number, skipped_note)
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["nanwatch", "NanReport", "NanEvent", "NanWatch", "last_report", "NanBirthError"]
@@ -130,13 +130,15 @@ class NanWatch:
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
         global _last
+        recording: Optional[NanRecording] = None
         try:
-            self._recorder.stop()
+            recording = self._recorder.stop()
         finally:
             try:
                 if self._compiled is not None:
                     self._compiled.__exit__(None, None, None)
-                summary = self._summary(exc)
+                # (a Stop while the recorder stopped: what it holds, all hooks off all the same)
+                summary = self._summary(recording if recording is not None else self._recorder.recording(), exc)
             except Exception as err:  # noqa: BLE001 - never replace the user's exception with ours
                 summary = NanSummary(notes=(f"nanwatch could not build its report: {type(err).__name__}: {err}",))
             self.report.summary, self.report.finished = summary, True
@@ -149,18 +151,15 @@ class NanWatch:
             _complete_error(exc, self.report)
         return False
 
-    def _summary(self, exc: Optional[BaseException]) -> NanSummary:
-        rec = self._recorder
+    def _summary(self, rec: NanRecording, exc: Optional[BaseException]) -> NanSummary:
         notes = list(_notes(rec, exc))
         if self._compiled is not None and self._compiled.note:
             notes.append(self._compiled.note)
         if self._live.skipped:
             notes.append(skipped_note(self._live.skipped))
-        events, absorbed = rec.log.take()
-        summary = summarize_watch(events, absorbed, rec.layers.rows(set()), mode=rec.options.mode,
-                                  ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.log.dropped,
+        summary = summarize_watch(rec.events, set(rec.absorbed), rec.layers, mode=rec.options.mode,
+                                  ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.dropped,
                                   notes=tuple(notes), options=dict(self.options))
-        rec.layers.clear()
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
         return _with_cells(_with_source(summary, filename))
 
@@ -221,9 +220,9 @@ def _source_window(filename: str, lineno: Optional[int]) -> tuple[int, str]:
     return first, "\n".join(lines)
 
 
-def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
-    opts, log = rec.options, rec.log
-    if not rec.saw_torch() and exc is None:
+def _notes(rec: NanRecording, exc: Optional[BaseException]) -> Iterator[str]:
+    opts = rec.options
+    if not rec.saw_torch and exc is None:
         yield ("the code ran no torch operations, so there was nothing to watch: put the model call, "
                "loss.backward() and optimizer.step() inside the watched cell")
     if opts.mode == "module":
@@ -234,19 +233,18 @@ def _notes(rec: NanRecorder, exc: Optional[BaseException]) -> Iterator[str]:
         yield "optimizer steps not watched (--no-optimizer)"
     if opts.ignore_inf:
         yield "Inf values ignored (--ignore-inf): only NaN births are reported"
-    if log.full() or log.dropped:
+    if rec.full or rec.dropped:
         yield (f"checking stopped after the first {opts.max_events} births (raise the limit with "
                f"max_events= / --max-events)")
-    if log.scaler_skips:
-        steps = ", ".join(str(i - 1) for i in sorted(log.scaler_skips)[:10])
-        yield (f"GradScaler skipped the optimizer step in step(s) {steps} because of inf/NaN gradients "
+from torch_nbdebug.record.modules import module_at, module_roots
+from torch_nbdebug.record.nanwatch import NanRecorder, NanRecording, uses_replay
+from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
+                                         running_cell_number, skipped_note)
                "(its normal loss-scale calibration): those backward births are listed as absorbed")
     if rec.other_thread:
         yield ("modules also ran in another thread: nanwatch checks the ops of the thread that runs the "
                "watched code only (run that work in this thread to watch it)")
-    if rec.modules.replayer is not None:
-        yield from rec.modules.replayer.notes
-    yield from rec.errors
+    yield from rec.notes
     if exc is not None and not isinstance(exc, NanBirthError):
         yield f"the code raised {type(exc).__name__}: the report covers what ran before it"
 
@@ -289,8 +287,7 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
         defer = _cuda_in_use()
     options = dict(mode=mode, backward=backward, optimizer=optimizer, ignore_inf=ignore_inf,
                    raise_on_birth=raise_on_birth, defer=defer, max_events=max_events)
-    # Replay needs the immediate path and op mode; raising at the birth line needs each op checked at once.
-    options["replay"] = replay and mode == "op" and not defer and not raise_on_birth
+    options["replay"] = uses_replay(replay, mode, defer, raise_on_birth)  # (what the recorder will do)
     caller = caller_frame() if namespace is None else None  # the one definition of "the caller"
     return NanWatch(namespace, options, caller)
 

@@ -233,6 +233,23 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+# -- modules' own registries ----------------------------------------------------------------------
+def buffer_registry(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's own buffer dict (``_buffers``), the one ``register_buffer`` writes: a replay swaps
+    clones in and puts the originals back without a ``register_buffer`` call per buffer."""
+    return module._buffers  # type: ignore[return-value]
+
+
+def own_parameters(module: torch.nn.Module) -> list[Any]:
+    """The module's own parameters, ``None`` entries included, in order (``_parameters``; no recursion)."""
+    return list(module._parameters.values())
+
+
+def child_modules(module: torch.nn.Module) -> list[Any]:
+    """The module's direct children, ``None`` entries included, in order (``_modules``)."""
+    return list(module._modules.values())
+
+
 def node_saved_attributes(node: Any) -> list[str]:
     """Names of a node's saved-for-backward attributes (``_saved_self``, ...): ``dir`` is slow, cache it."""
     return [a for a in dir(node) if a.startswith("_saved_")]

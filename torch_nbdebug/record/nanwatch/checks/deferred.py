@@ -17,56 +17,37 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any, Callable, Literal, NamedTuple, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import (InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb,
-                                                  judge_gradient, judge_module)
-from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
-from torch_nbdebug.record.nanwatch_events import Place, Shape, Site, here, make_event, node_input_producer, producer
-from torch_nbdebug.record.nanwatch_layers import Later
-from torch_nbdebug.record.nanwatch_inside import as_when_left
-from torch_nbdebug.record.nanwatch_modules import module_event
-from torch_nbdebug.record.nanwatch_params import bad_parameters
+from torch_nbdebug.data.nanwatch import Kind
+from torch_nbdebug.data.stats import TensorStats
+from torch_nbdebug.record.nanwatch.checks.queued import (AbsorbCheck, GradCheck, ModuleCheck, NodeCheck, OpCheck,
+                                                         Queued, StepCheck)
+from torch_nbdebug.record.nanwatch.context import NodeDone, WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import Place, Shape, Site, here, make_event, node_input_producer, producer
+from torch_nbdebug.record.nanwatch.core.layers import Later
+from torch_nbdebug.record.nanwatch.core.rules import InputFact, OpFacts, OpPhase, Verdict, judge, judge_absorb, \
+    judge_gradient
+from torch_nbdebug.record.nanwatch.modules.rule import LeftAt, judge_call, module_event
 from torch_nbdebug.record.tensors import storage_key
 
 _MAX_QUEUE = 4096  # read earlier when this many checks wait
-Entry = Literal["op", "absorb", "node", "module", "grad", "optim"]
-
-
-class Pending(NamedTuple):
-    """One deferred check: device sums (see :func:`_flags`) of its outputs then its inputs, plus context.
-    A module or grad entry judges its output from the layer table's ``reading`` (:func:`reading_flags`):
-    ``flags`` then holds only the inputs' sums (None without inputs)."""
-
-    entry: Entry
-    flags: Optional[torch.Tensor]
-    n_out: int
-    outputs: tuple[Shape, ...]
-    inputs: tuple[Shape, ...]
-    keys: tuple[Optional[int], ...]  # inputs' storage keys (op, absorb); outputs' keys follow for ops
-    external: tuple[bool, ...]
-    site: Optional[Site]
-    iteration: int
-    extra: Any = None  # ops: (node key, producer of input 0, in place[, +inf out: added when read]); module: the
-    # module; absorb: written;
-    # optim: the function that judges the step's norms
-    reading: Optional[Later] = None  # module, grad: the layer table's reading of the output (see reading_flags)
+_INF = math.inf
 
 
 class DeferredChecks:
     def __init__(self, ctx: WatchContext) -> None:
         self.ctx = ctx
-        self.pending: list[Pending] = []
+        self.pending: list[Queued] = []
         self._hooked: Optional[int] = None  # id of the last backward node given a post hook
         # Storages the hooked node's queued ops wrote: its finished gradients are usually among them,
         # so their flags are reused rather than summed again (a weight gradient is a full pass).
         self._node_outs: set[int] = set()
         self._bad_keys: dict[int, bool] = {}  # replay: the latest flag of each storage the node wrote
-        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
-        self.left_at: dict[str, int] = {}
+        self.left_at = LeftAt()  # module mode: calls left to their enclosing module
 
     # -- queueing (no device read) -----------------------------------------------------------------
     def queue_op(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor], phase: OpPhase, node: Any,
@@ -79,17 +60,18 @@ class DeferredChecks:
         external = tuple(not ctx.produced.contains(t) for t in inputs)
         keys = tuple(storage_key(t) for t in inputs) + tuple(storage_key(t) for t in outs)
         inplace = pre is not None and bool(inputs) and inputs[0] is args[0]
-        if inplace:
-            inputs = [pre.reshape(1)] + inputs[1:]  # type: ignore[union-attr]
+        if pre is not None and inplace:
+            inputs = [pre.reshape(1)] + inputs[1:]
         site = op_site(ctx, func, phase, node, seq, sys._getframe(1))
         if phase == "backward":
             self._watch_node(node)
             self._node_outs.update(k for k in keys[len(inputs):] if k is not None)
-            extra: Any = (id(node), node_input_producer(node), inplace)
+            node_key: Optional[int] = id(node)
+            made_by = node_input_producer(node)
         else:  # named now: the input (and so its grad_fn) may be gone when the flags are read
-            extra = (None, producer(inputs[0]) if inputs else None, inplace)
-        self._push(Pending("op", _flags(outs + inputs), len(outs), _shapes(outs), _shapes(inputs), keys, external,
-                           site, ctx.clock.iteration, extra))
+            node_key, made_by = None, producer(inputs[0]) if inputs else None
+        self._push(OpCheck(_flags(outs + inputs), _shapes(outs), _shapes(inputs), keys, external, site,
+                           ctx.clock.iteration, node_key, made_by, inplace))
 
     def queue_absorb(self, args: tuple, kwargs: dict, outs: list[torch.Tensor], backward: bool) -> None:
         """A where/masked_fill: replayed in order, it tells whether a born value was thrown away."""
@@ -100,8 +82,7 @@ class DeferredChecks:
         keys = tuple(storage_key(t) for t in inputs)
         if backward:  # a gradient formula masking inside its node (the norm's masked_fill_)
             self._node_outs.update(k for k in out_keys if k is not None)
-        self._push(Pending("absorb", _flags(outs + inputs), len(outs), (), (), keys + out_keys, (), None, 0,
-                           tuple(k in out_keys for k in keys)))
+        self._push(AbsorbCheck(_flags(outs + inputs), len(outs), keys + out_keys, tuple(k in out_keys for k in keys)))
 
     def queue_module(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor, reading: Later,
                      coming_in: Callable[[list[torch.Tensor]], tuple[bool, ...]]) -> None:
@@ -110,18 +91,17 @@ class DeferredChecks:
         table's ``reading`` of it (no second reduction); its inputs are summed."""
         inputs = ops.float_inputs(args, {})
         site = Site("forward", f"{type(module).__name__} (module output)", here(path, None))
-        self._push(Pending("module", _flags(inputs) if inputs else None, 1, _shapes([t]), _shapes(inputs), (),
-                           coming_in(inputs), site, self.ctx.clock.iteration, module, reading))
+        self._push(ModuleCheck(_flags(inputs) if inputs else None, (Shape.of(t),), _shapes(inputs), coming_in(inputs),
+                               site, self.ctx.clock.iteration, module, reading))
 
     def queue_grad(self, path: str, grad: torch.Tensor, reading: Later) -> None:
         """Module mode: queue the gradient into a module's output, flagged by the layer table's ``reading`` of it."""
         site = Site("backward", f"gradient into {path}", Place(None, path, None, None, "<module>"))
-        self._push(Pending("grad", None, 1, _shapes([grad]), (), (), (), site, self.ctx.clock.iteration,
-                           reading=reading))
+        self._push(GradCheck((Shape.of(grad),), site, self.ctx.clock.iteration, reading))
 
     def queue_step(self, norms: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
         """An optimizer step's parameter (and gradient) norms: ``judge`` gets their values, in order."""
-        self._push(Pending("optim", norms, 0, (), (), (), (), None, 0, judge))
+        self._push(StepCheck(norms, judge))
 
     def _watch_node(self, node: Any) -> None:
         """Give each backward node with a checked op a post hook that queues its gradients' flags."""
@@ -138,123 +118,122 @@ class DeferredChecks:
             keys = [storage_key(g) for g in grads]
             reused = tuple(k for k in keys if k is not None and k in self._node_outs)
             fresh = [g for g, k in zip(grads, keys) if k is None or k not in self._node_outs]
-            self._push(Pending("node", _flags(fresh) if fresh else None, len(fresh), (), (), reused, (), None, 0, key))
+            self._push(NodeCheck(_flags(fresh) if fresh else None, reused, key))
 
-    def _push(self, p: Pending) -> None:
+    def _push(self, p: Queued) -> None:
         self.pending.append(p)
         if len(self.pending) > _MAX_QUEUE or self.ctx.options.raise_on_birth:
             self.ctx.flush()
 
     # -- reading and replaying ---------------------------------------------------------------------
-    def take(self) -> tuple[list[Pending], list[torch.Tensor]]:
+    def take(self) -> tuple[list[Queued], list[torch.Tensor]]:
         """Hand over the queue and the device tensors to read for it (the recorder reads them all at once)."""
         pending, self.pending = self.pending, []
         return pending, [p.flags for p in pending if p.flags is not None]
 
-    def replay(self, pending: list[Pending], readings: list[list[float]]) -> None:
-        """Replay the entries :meth:`take` handed over, in order, with the values read for them."""
+    def replay(self, pending: list[Queued], readings: list[list[float]]) -> None:
+        """Replay the checks :meth:`take` handed over, in order, with the values read for them."""
         self.left_at.clear()  # (a forward's modules are queued and read together)
         values = iter(readings)
         for p in pending:
             sums = next(values) if p.flags is not None else []
-            if p.entry == "optim":
-                p.extra(sums)
+            if isinstance(p, StepCheck):
+                p.judge(sums)
                 continue
-            bad, nan, neg = [not math.isfinite(v) for v in sums], [v != v for v in sums], [v < 0 for v in sums]
-            if p.reading is not None:  # the output's flags (first), from the table's reading of it
-                out_bad, out_nan, out_neg = reading_flags(p.reading.values, p.outputs[0].dtype == "float64")
-                bad, nan, neg = [out_bad] + bad, [out_nan] + nan, [out_neg] + neg
-            elif p.entry == "op" and any(bad[: p.n_out]):
-                p = p._replace(extra=p.extra + (any(v == _INF for v in sums[: p.n_out]),))  # +inf out
-            if p.entry == "node":
-                # A gradient no replayed entry wrote (another node's storage) counts as non-finite: keep.
-                self.ctx.log.node_done(p.extra, bad + [self._bad_keys.get(k, True) for k in p.keys])
+            bad = [not math.isfinite(v) for v in sums]
+            if isinstance(p, NodeCheck):
+                # A gradient no replayed check wrote (another node's storage) counts as non-finite: keep.
+                self.ctx.log.node_done(p.node_key, bad + [self._bad_keys.get(k, True) for k in p.reused])
                 self._bad_keys.clear()
                 continue
-            if p.entry == "absorb" or (p.entry == "op" and p.site.phase == "backward"):
-                n_in = len(p.keys) - p.n_out
-                self._bad_keys.update((k, b) for k, b in zip(p.keys[n_in:], bad[: p.n_out]) if k is not None)
-            if p.entry == "absorb":
+            nan, neg = [v != v for v in sums], [v < 0 for v in sums]
+            if isinstance(p, (ModuleCheck, GradCheck)):  # the output's flags (first), from the table's reading
+                out_bad, out_nan, out_neg = reading_flags(p.reading.values, p.outputs[0].dtype == "float64")
+                if out_bad:
+                    self._replay_call(p, [out_bad] + bad, [out_nan] + nan, [out_neg] + neg)
+            elif isinstance(p, AbsorbCheck):
+                self._note_written(p.keys[len(p.keys) - p.n_out:], bad[: p.n_out])
                 self._replay_absorb(p, bad)
-            elif any(bad[: p.n_out]):
-                self._replay(p, bad, nan, neg)
+            else:
+                n = len(p.outputs)
+                if p.site.phase == "backward":
+                    self._note_written(p.keys[len(p.inputs):], bad[:n])
+                if any(bad[:n]):
+                    self._replay_op(p, bad, nan, neg, any(v == _INF for v in sums[:n]))
 
-    def _replay_absorb(self, p: Pending, bad: list[bool]) -> None:
+    def _note_written(self, keys: tuple[Optional[int], ...], bad: list[bool]) -> None:
+        """The flags of the storages a backward check wrote: its node's gradients are among them."""
+        self._bad_keys.update((k, b) for k, b in zip(keys, bad) if k is not None)
+
+    def _replay_absorb(self, p: AbsorbCheck, bad: list[bool]) -> None:
         log = self.ctx.log
         keys = p.keys[: len(p.keys) - p.n_out]
         born = [log.is_born(k) for k in keys]
         if any(born):
-            log.absorb(keys, judge_absorb(any(bad[: p.n_out]), born, bad[p.n_out:], p.extra))
+            log.absorb(keys, judge_absorb(any(bad[: p.n_out]), born, bad[p.n_out:], p.written))
 
-    def _replay(self, p: Pending, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
-        n, log = p.n_out, self.ctx.log
+    def _replay_op(self, p: OpCheck, bad: list[bool], nan: list[bool], neg: list[bool], pos_inf: bool) -> None:
+        n, log, phase = len(p.outputs), self.ctx.log, p.site.phase
         in_bad, in_nan = bad[n:], nan[n:]
-        out_nan = any(nan[:n])
-        if p.entry == "grad":
-            verdict = judge_gradient(log.has_events())
-        elif p.entry == "module":
-            verdict = self._module_verdict(p, in_bad)
-        else:
-            keys = p.keys[: len(p.inputs)]
-            facts = OpFacts(p.site.phase, out_nan, tuple(
-                InputFact(b, a, b and not a and s, b and e, p.site.phase == "backward" and b and log.from_absorbed(k))
-                for b, a, s, e, k in zip(in_bad, in_nan, neg[n:], p.external, keys)), log.has_events(), p.extra[3])
-            verdict = judge(facts)
-            if verdict == "propagation" and p.site.phase == "forward":
+        keys = p.keys[: len(p.inputs)]
+        facts = OpFacts(phase, any(nan[:n]), tuple(
+            InputFact(b, a, b and not a and s, b and e, phase == "backward" and b and log.from_absorbed(k))
+            for b, a, s, e, k in zip(in_bad, in_nan, neg[n:], p.external, keys)), log.has_events(), pos_inf)
+        verdict = judge(facts)
+        if verdict == "propagation":
+            if phase == "forward":
                 log.propagated([k for k, b in zip(keys, in_bad) if b])
+            return
+        kind, output, stats, detail = _found(p, verdict, bad, nan, neg, p.inplace)
+        culprits = [k for k, b in zip(keys, in_bad) if b]
+        event = report_op(self.ctx, p.site, verdict, kind, stats, output, culprits, p.made_by, p.iteration,
+                          deferred=True, detail=detail)
+        if event is None:
+            return
+        if phase == "backward" and verdict == "birth" and p.node_key is not None:
+            log.hold(p.node_key, event)
+        else:
+            log.add(event, [k for k, b in zip(p.keys[len(p.inputs):], bad[:n]) if b])
+
+    def _replay_call(self, p: Union[ModuleCheck, GradCheck], bad: list[bool], nan: list[bool],
+                     neg: list[bool]) -> None:
+        """Module mode: a module's output (or the gradient into it) came out non-finite."""
+        ctx, in_bad = self.ctx, bad[1:]
+        if isinstance(p, GradCheck):
+            verdict: Verdict = judge_gradient(ctx.log.has_events())
+        else:
+            judged = judge_call(self.left_at, ctx.log, p.site.place.module or "", 0, in_bad, p.coming_in, p.module)
+            # "left": an enclosing module's own code made them, judged as that module returns
+            verdict = "propagation" if judged == "left" else judged
         if verdict == "propagation":
             return
-        self._report(p, verdict, bad, nan, neg)
-
-    def _module_verdict(self, p: Pending, in_bad: list[bool]) -> Verdict:
-        path, log = p.site.place.module or "", self.ctx.log
-        inner, had_events = as_when_left(log, path, 0, self.left_at)
-        if any(in_bad) and not inner and not had_events and not any(b and c for b, c in zip(in_bad, p.external)):
-            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
-            return "propagation"  # an enclosing module's own code made them: judged as that module returns
-        params = bad_parameters(p.extra) if not inner else []
-        return judge_module(True, any(in_bad), bool(params), had_events, inner)
-
-    def _report(self, p: Pending, verdict: Any, bad: list[bool], nan: list[bool], neg: list[bool]) -> None:
-        ctx, n = self.ctx, p.n_out
-        kind = "nan" if any(nan[:n]) else "inf"
-        i = next(k for k in range(n) if bad[k])
-        output = p.outputs[i].stats(nan[i], bad[i] and not nan[i], neg[i])
-        in_bad = bad[n:]
-        shown, detail = shown_inputs(verdict, in_bad, p.entry == "op" and p.extra[2])
-        stats = tuple(p.inputs[k].stats(nan[n + k], in_bad[k] and not nan[n + k], neg[n + k]) for k in shown)
-        if p.entry == "op":
-            self._report_op(p, verdict, kind, stats, output, bad, detail)
-            return
+        kind, output, stats, _ = _found(p, verdict, bad, nan, neg, False)
         if ctx.options.ignore_inf and kind == "inf":
             return
-        if p.entry == "module":
-            event = module_event(ctx, p.site.place, p.site.op, verdict, stats, output, kind, p.extra, any(in_bad),
+        if isinstance(p, ModuleCheck):
+            event = module_event(ctx, p.site.place, p.site.op, verdict, stats, output, kind, p.module, any(in_bad),
                                  p.iteration)
         else:
             event = make_event("backward", p.site.op, p.site.place, (), output, kind=kind, iteration=p.iteration)
         ctx.log.add(dataclasses.replace(event, deferred=True))
 
-    def _report_op(self, p: Pending, verdict: Any, kind: Any, stats: tuple, output: Any, bad: list[bool],
-                   detail: str) -> None:
-        ctx, n = self.ctx, p.n_out
-        keys = p.keys[: len(p.inputs)]
-        culprits = [k for k, b in zip(keys, bad[n:]) if b]
-        event = report_op(ctx, p.site, verdict, kind, stats, output, culprits, p.extra[1], p.iteration,
-                          deferred=True, detail=detail)
-        if event is None:
-            return
-        if p.site.phase == "backward" and verdict == "birth":
-            ctx.log.hold(p.extra[0], event)
-        else:
-            ctx.log.add(event, [k for k, b in zip(p.keys[len(p.inputs):], bad[:n]) if b])
+
+def _found(p: Union[OpCheck, ModuleCheck, GradCheck], verdict: Verdict, bad: list[bool], nan: list[bool],
+           neg: list[bool], inplace: bool) -> tuple[Kind, TensorStats, tuple[TensorStats, ...], str]:
+    """What an event shows of a check that found something: its kind, the first non-finite output, the
+    inputs it names, and the detail line."""
+    n = len(p.outputs)
+    kind: Kind = "nan" if any(nan[:n]) else "inf"
+    i = next(k for k in range(n) if bad[k])
+    output = p.outputs[i].stats(nan[i], bad[i] and not nan[i], neg[i])
+    in_bad = bad[n:]
+    shown, detail = shown_inputs(verdict, in_bad, inplace)
+    stats = tuple(p.inputs[k].stats(nan[n + k], in_bad[k] and not nan[n + k], neg[n + k]) for k in shown)
+    return kind, output, stats, detail
 
 
 def _shapes(tensors: list[torch.Tensor]) -> tuple[Shape, ...]:
     return tuple(Shape.of(t) for t in tensors)
-
-
-_INF = math.inf
 
 
 def reading_flags(values: Optional[list[float]], float64: bool) -> tuple[bool, bool, bool]:

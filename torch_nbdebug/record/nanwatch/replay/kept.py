@@ -17,7 +17,7 @@ made them (autograd keeps most of them that long anyway); an output that does no
 (``no_grad``, inference) is kept by weak reference, and every kept entry is dropped when the
 outermost call raises. Modules that declare ``inplace=True`` trigger the check before they run, so
 the common case (``nn.ReLU(inplace=True)`` after a layer) still sees the layer's own output. Gradients
-into module outputs are not kept: they are read as they come (the backward layer, nanwatch_backward,
+into module outputs are not kept: they are read as they come (the backward layer, replay.backward,
 keeps only the gradients into the outermost call's outputs, until that backward ends).
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import Place, here
-from torch_nbdebug.record.nanwatch_layers import stat_parts
-from torch_nbdebug.record.nanwatch_ops import read_together, version_of
-from torch_nbdebug.record.nanwatch_replay import Call, Start, capture
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import Place, here
+from torch_nbdebug.record.nanwatch.core.layers import stat_parts
+from torch_nbdebug.record.nanwatch.core.ops import read_together, version_of
+from torch_nbdebug.record.nanwatch.replay.forward import Call, Start, capture
 
 _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with very many module calls)
 
@@ -50,7 +50,7 @@ class Kept:
     inputs: tuple[torch.Tensor, ...] = ()
     place: Optional[Place] = None
     values: list[float] = field(default_factory=list)
-    call: Any = None  # the call's arguments and RNG state (nanwatch_replay.Call)
+    call: Any = None  # the call's arguments and RNG state (replay.forward.Call)
     version: int = -1  # the output's ``_version`` when the module returned
     ref: Any = None  # a weak output: weakref.ref of it (``tensor`` is None)
     parts: tuple[torch.Tensor, ...] = ()  # min, max and sum of the output (0-d), computed as it was kept

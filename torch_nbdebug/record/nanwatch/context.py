@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, ContextManager, Literal, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Protocol, Sequence
 
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
-from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
-from torch_nbdebug.record.nanwatch_events import Place, Site, backward_site, forward_site, site_event
-from torch_nbdebug.record.nanwatch_log import EventLog
-from torch_nbdebug.record.nanwatch_params import carriers
-from torch_nbdebug.record.nanwatch_storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.core.rules import OpPhase, Verdict
+from torch_nbdebug.record.nanwatch.core.events import Place, Site, backward_site, forward_site, site_event
+from torch_nbdebug.record.nanwatch.core.layers import Later
+from torch_nbdebug.record.nanwatch.core.log import EventLog
+from torch_nbdebug.record.nanwatch.core.params import carriers
+from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls
 
 
 Mode = Literal["op", "module"]
@@ -34,6 +36,12 @@ class WatchOptions:
     defer: bool = False
     max_events: int = 50
     replay: bool = False  # op mode: per-op watch off inside modules in forward, births there replayed
+
+
+def uses_replay(replay: bool, mode: Mode, defer: bool, raise_on_birth: bool) -> bool:
+    """Whether a watch asked for ``replay`` replays: it needs op mode, the immediate path (CPU) and no raising
+    at the op (the check comes after the call)."""
+    return replay and mode == "op" and not defer and not raise_on_birth
 
 
 class Clock:
@@ -62,7 +70,9 @@ class WatchContext(Protocol):
     clock: Clock
     produced: StorageRegistry
     namespace: Optional[Mapping[str, Any]]
-    lr: LrGrowth
+
+    @property
+    def lr(self) -> LrGrowth: ...
 
     def module_path(self) -> Optional[str]: ...
 
@@ -152,3 +162,60 @@ class NodeDone:
             raise
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
             self.checks.ctx.internal_error("a backward node's gradients", exc)
+
+
+class ModuleQueue(Protocol):
+    """The deferred path's queue as module mode uses it: module outputs and gradients into them, flagged by
+    the per-layer table's reading (``DeferredChecks``)."""
+
+    def queue_module(self, path: str, module: Any, args: Any, t: Any, reading: Later,
+                     coming_in: Callable[[list[Any]], tuple[bool, ...]]) -> None: ...
+
+    def queue_grad(self, path: str, grad: Any, reading: Later) -> None: ...
+
+
+class OpExaminer(Protocol):
+    """The immediate per-op check, as replay's backward runs an accumulation through it."""
+
+    def examine(self, func: Any, args: tuple, kwargs: dict, bad: list[Any], phase: OpPhase, node: Any,
+                pre: Optional[Any], seq: Optional[int]) -> None: ...
+
+
+class ModuleSide(Protocol):
+    """What replay's backward touches of the module checks."""
+
+    thread_id: int
+    replaying: bool
+
+    @property
+    def model_calls(self) -> ModelCalls: ...
+
+    def backward_started(self) -> None: ...
+
+    def gradient_birth(self, path: str, grad: Optional[TensorStats], iteration: int) -> None: ...
+
+
+class ReplayHost(WatchContext, Protocol):
+    """What replay's backward layer (``replay/backward.py``, ``replay/calls.py``) may touch of the recorder:
+    the per-op mode (whether it is on, taking it off and back for a rerun), a replay's own isolated log, the
+    watch's own hook ids, the immediate check and the module side."""
+
+    @property
+    def immediate(self) -> OpExaminer: ...
+
+    @property
+    def modules(self) -> ModuleSide: ...
+
+    def mode_on_top(self) -> bool: ...
+
+    def mode_on_stack(self) -> bool: ...
+
+    def pop_mode(self) -> None: ...
+
+    def push_mode(self) -> None: ...
+
+    def watched(self, iteration: int) -> ContextManager[None]: ...
+
+    def isolated(self, carry: bool = True) -> ContextManager[tuple[EventLog, dict[int, Place]]]: ...
+
+    def own_hook_ids(self) -> set[int]: ...

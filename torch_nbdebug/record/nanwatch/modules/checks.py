@@ -9,50 +9,36 @@ import math
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from torch_nbdebug.data.nanwatch import Kind, NanEvent
+from torch_nbdebug.data.nanwatch import Kind
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import Verdict, judge_gradient, judge_module
-from torch_nbdebug.record.nanwatch_context import WatchContext
-from torch_nbdebug.record.nanwatch_events import Place, here, kind_of, make_event, stats_of
-from torch_nbdebug.record.nanwatch_inside import KeptCheck, as_when_left, made_since
-from torch_nbdebug.record.nanwatch_kept import CallSite, Kept, KeptReadings
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder, Later, first_float_tensor, stat_values
-from torch_nbdebug.record.nanwatch_params import bad_parameters, carriers
-from torch_nbdebug.record.nanwatch_replay import ModelCalls, Replayer, Start, call_start, capture
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import judge_gradient, judge_module
+from torch_nbdebug.record.nanwatch.context import ModuleQueue, WatchContext
+from torch_nbdebug.record.nanwatch.core.events import Place, here, kind_of, make_event, stats_of
+from torch_nbdebug.record.nanwatch.modules.rule import LeftAt, judge_call, module_event
+from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck
+from torch_nbdebug.record.nanwatch.replay.kept import CallSite, Kept, KeptReadings
+from torch_nbdebug.record.nanwatch.core.layers import (LayerRecorder, Later, first_float_tensor, nonfinite_reading,
+                                                       stat_values)
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters
+from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.tensors import storage_key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
-
-_isfinite = math.isfinite
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
-
-
-def module_event(ctx: WatchContext, place: Place, op: str, verdict: Verdict, inputs: tuple[TensorStats, ...],
-                 output: TensorStats, kind: Kind, module: torch.nn.Module, inputs_bad: bool,
-                 iteration: int) -> NanEvent:
-    """A module-mode event; a non-finite weight (with finite inputs) is named as the carrier."""
-    event = make_event("input" if verdict == "input" else "forward", op, place, inputs, output, kind=kind,
-                       iteration=iteration)
-    if verdict == "input" and not inputs_bad:
-        params = bad_parameters(module)
-        if params:
-            event = dataclasses.replace(event, **carriers(ctx.namespace, [storage_key(p) for p in params]).fields())
-    return event
 
 
 class ModuleChecks:
     """Module enter/exit and gradient callbacks. ``depth`` is the module nesting (1: a top-level
     model), ``busy`` is True while an optimizer step runs (its modules are not checked)."""
 
-    def __init__(self, ctx: WatchContext, layers: LayerRecorder, deferred: Optional["DeferredChecks"],
+    def __init__(self, ctx: WatchContext, layers: LayerRecorder, deferred: Optional[ModuleQueue],
                  depth: Callable[[], int], busy: Callable[[], bool]) -> None:
         self.ctx, self.layers, self.deferred = ctx, layers, deferred
         self._depth, self._busy = depth, busy
@@ -62,9 +48,9 @@ class ModuleChecks:
         self.thread_id = threading.get_ident()
         self.other_thread = False
         # (weakref, values, hook, version) of the last output: a container returning it unchanged has its numbers
-        self._last_exit: Optional[tuple[Any, Optional[list[float]], Any, int]] = None
+        self._last_exit: Optional[tuple[LiveRef, Optional[list[float]], Optional[_GradHook]]] = None
         self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
-        # replay=True (see use_replay): outputs and gradients are kept and checked together (nanwatch_kept).
+        # replay=True (see use_replay): outputs and gradients are kept and checked together (replay.kept).
         # Without replay each output is read as its module exits: on a CPU that is as cheap (the same
         # statistics ops, and reading a CPU scalar is no synchronisation), and CUDA has its deferred path.
         self.kept: Optional[KeptReadings] = None
@@ -75,11 +61,10 @@ class ModuleChecks:
         self._outer_call: Optional[Kept] = None  # replay: the outermost call, until its exit's check
         self._kwargs: dict = {}
         self._model_seq = 0  # module mode: the outermost call's first autograd node number
-        self._left_inside: Optional[weakref.ref] = None  # module mode: an output left to its enclosing module
-        # module mode: module path -> the log's length when a submodule left it its non-finite inputs
-        self.left_at: dict[str, int] = {}
+        self._left_inside: Optional[weakref.ref[torch.Tensor]] = None  # module mode: an output left to its enclosing module
+        self.left_at = LeftAt()  # module mode: calls left to their enclosing module
         self.saw_half = False  # replay: a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
-        # replay: told of each non-finite gradient into a module output (nanwatch_backward marks the model call)
+        # replay: told of each non-finite gradient into a module output (replay.backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
 
     def mine(self) -> bool:
@@ -106,12 +91,12 @@ class ModuleChecks:
 
     def _coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
         """Module mode: which of a call's inputs count as data coming in. A top-level call's do; a nested
-        call's unless the model's call made them (:func:`~nanwatch_inside.made_since`): an enclosing module's
+        call's unless the model's call made them (:func:`~torch_nbdebug.record.nanwatch.core.ops.made_since`): an enclosing module's
         code between its submodules (no op is watched there), and that module is judged when it returns."""
         if self._depth() <= 1:
             return tuple(True for _ in inputs)
         seq = self._model_seq
-        return tuple(not made_since(x, seq) for x in inputs)
+        return tuple(not ops.made_since(x, seq) for x in inputs)
 
     def use_replay(self, replayer: Replayer) -> None:
         self.kept, self.replayer = KeptReadings(), replayer
@@ -148,10 +133,10 @@ class ModuleChecks:
         try:
             path = self.ctx.module_path()
             call = capture(tuple(args), dict(kwargs), self._starts[0] if self._starts else None)
-            first = len(self.ctx.log.events)
+            first = self.ctx.log.mark()
             with self.ctx.quiet():
                 self.ctx.flush()  # the kept outputs of the modules that returned
-            if len(self.ctx.log.events) == first and path is not None:
+            if not self.ctx.log.since(first) and path is not None:
                 entry = Kept(None, [path], self.ctx.clock.iteration, module, (), here(path, None), call=call)
                 self.replayer.birth(entry, first, fallback=False)
         except Exception as exc:  # noqa: BLE001 - the user's own error is the one that propagates
@@ -215,7 +200,7 @@ class ModuleChecks:
     def check_kept(self) -> None:
         """Replay: read every kept output (one transfer), in the order the modules exited: the table's
         statistics, and a non-finite output goes to the replayer (innermost call first). See
-        :class:`~nanwatch_inside.KeptCheck`."""
+        :class:`~replay.inside.KeptCheck`."""
         outer, self._outer_call = self._outer_call, None
         if self.kept is None or not self.kept.entries or self.replayer is None:  # (both set by use_replay)
             return
@@ -228,14 +213,14 @@ class ModuleChecks:
         path = self.ctx.module_path()
         if path is None or self._busy():
             return
-        t = first_float_tensor(output)
-        leaves = float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
+        t: Optional[torch.Tensor] = first_float_tensor(output)
+        leaves = ops.float_leaves(output) if self.kept is not None and not isinstance(output, torch.Tensor) else []
         if t is None and leaves:
             t = leaves[0]  # a dataclass (or deeper) output
         if t is None:
             return
         last = self._last_exit
-        if last is not None and (last[0]() is not t or ops.version_of(t) != last[3]):
+        if last is not None and last[0].get() is not t:
             last = None  # another tensor, or the same one written in place (ReLU(inplace=True)): new numbers
         if self.kept is not None:
             self._keep_exit(path, module, args, t, last, [x for x in leaves if x is not t])
@@ -265,14 +250,14 @@ class ModuleChecks:
             queue.queue_module(path, module, args, t, later, self._coming_in)
         else:
             values = self.layers.forward(path, t)
-            if self._module_mode and _non_finite(values):
+            if self._module_mode and nonfinite_reading(values):
                 left = self.module_birth(path, module, args, t, coming_in=self._coming_in)
                 self._left_inside = weakref.ref(t) if left else None
         hook = None
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             self.ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), values, hook, ops.version_of(t))
+        self._last_exit = (LiveRef(t), values, hook)
         if self.layers.deferred:
             self._bound_backlog()
 
@@ -304,7 +289,7 @@ class ModuleChecks:
         if self._backward and t.requires_grad and torch.is_grad_enabled():
             hook = _GradHook(self, path)
             ctx.keep_handle(t.register_hook(hook))
-        self._last_exit = (weakref.ref(t), None, hook, ops.version_of(t))
+        self._last_exit = (LiveRef(t), None, hook)
         if kept.full():
             with ctx.quiet():
                 ctx.flush()
@@ -325,12 +310,12 @@ class ModuleChecks:
             if t.is_cpu and READ_AT_EXIT:
                 values = stat_values(t)
                 # (a half-precision call is kept whole: its inputs may have overflowed inside, see KeptCheck)
-                if not _non_finite(values) and t.dtype not in ops.HALF:
+                if not nonfinite_reading(values) and t.dtype not in ops.HALF:
                     if table:
                         kept.read(t, site.path, module, iteration, values, weak)
                     return
             entry = kept.output(t, site.path, module, site.inputs(), site.place(), iteration, weak, table, values)
-            if t.dtype in ops.HALF and (weak or values is not None) and not _non_finite(values or [0.0] * 3):
+            if t.dtype in ops.HALF and (weak or values is not None) and not nonfinite_reading(values):
                 # (read now while the inputs live: a no-grad call's are gone by the check; on a device, a sync)
                 entry.squares_risk = ops.squares_may_overflow(site.inputs())
         call = site.call()
@@ -356,7 +341,7 @@ class ModuleChecks:
         """A weakly kept (no-grad) output freed before the check: the event has what was read of it
         (its kind; shape and dtype), not its full statistics."""
         log, path = self.ctx.log, entry.paths[0]
-        inner = any(e.module and e.module.startswith(path + ".") for e in log.events[first:])
+        inner = any(e.module and e.module.startswith(path + ".") for e in log.since(first))
         params_bad = not inner and bool(bad_parameters(entry.module))
         # Its inputs were freed with it: after a birth they are taken as carrying it (the modules after a
         # non-finite one in generation are not births of their own).
@@ -383,16 +368,12 @@ class ModuleChecks:
         """``coming_in`` (module mode): which inputs are data coming in (:meth:`_coming_in`). True when
         the output is left to the enclosing module (inputs an enclosing module's own code made)."""
         log = self.ctx.log
-        inner, had_events = as_when_left(log, path, first, self.left_at)
         inputs = ops.float_inputs(args, {})
         bad = [not math.isfinite(ops.sum_value(x)) and ops.any_nonfinite(x) for x in inputs]
-        in_bad = any(bad)
-        if in_bad and coming_in is not None and not inner and not had_events and \
-                not any(b and c for b, c in zip(bad, coming_in(inputs))):
-            self.left_at.setdefault(path.rpartition(".")[0], len(log.events))
+        verdict = judge_call(self.left_at, log, path, first, bad, None if coming_in is None else coming_in(inputs),
+                             module)
+        if verdict == "left":
             return True  # an enclosing module's own code made them: judged as that module returns
-        params_bad = not inner and not in_bad and bool(bad_parameters(module))
-        verdict = judge_module(True, in_bad, params_bad, had_events, inner)
         if verdict == "propagation":
             return False
         out = stats_of([t], 1)[0]
@@ -400,7 +381,7 @@ class ModuleChecks:
         if self.ctx.options.ignore_inf and kind == "inf":
             return False
         log.add(module_event(self.ctx, place or here(path, None), f"{type(module).__name__} (module output)", verdict,
-                             stats_of(inputs), out, kind, module, in_bad,
+                             stats_of(inputs), out, kind, module, any(bad),
                              self.ctx.clock.iteration if iteration is None else iteration))
         return False
 
@@ -424,12 +405,12 @@ class ModuleChecks:
             if self.layers.deferred:
                 self._bound_backlog()
             if not self._module_mode:
-                if self.bad_gradient is not None and _non_finite(values):
+                if self.bad_gradient is not None and nonfinite_reading(values):
                     self.bad_gradient(path, grad)
                 return
-            if queue is not None:
+            if queue is not None and later is not None:
                 queue.queue_grad(path, grad, later)
-            elif _non_finite(values):
+            elif nonfinite_reading(values):
                 self._grad_birth(path, grad, ctx.clock.iteration)
 
     def gradient_birth(self, path: str, grad: Optional[TensorStats], iteration: int) -> None:
@@ -455,31 +436,6 @@ HALF_UNWATCHED = ("float16/bfloat16 module calls ran without the per-op watch (r
                   "where squares overflow; run with --no-replay (replay=False) to watch every op")
 
 
-_MAX_LEAVES = 16  # float tensors of one module output checked for births
-
-
-def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Every checkable float tensor of a module output (tuples, lists, dicts, dataclass fields), capped."""
-    if isinstance(value, torch.Tensor):
-        return [value] if ops.checkable(value) and value.numel() > 0 else []
-    if depth > 4:
-        return []
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, (tuple, list)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    else:
-        return []
-    found: list[torch.Tensor] = []
-    for item in items:
-        found += [x for x in float_leaves(item, depth + 1) if all(x is not y for y in found)]
-        if len(found) >= _MAX_LEAVES:
-            return found[:_MAX_LEAVES]
-    return found
-
-
 _NOTHING = contextlib.nullcontext()
 # Replay: a CPU output is read as its module returns (see ``ModuleChecks._keep``); an output on a device
 # waits on it and is read with the others when the model returns. Tests switch this off to run the
@@ -487,9 +443,6 @@ _NOTHING = contextlib.nullcontext()
 READ_AT_EXIT = True
 
 
-def _non_finite(values: Optional[list[float]]) -> bool:
-    """A reading ``[min, max, mean]`` taken now holds a NaN/Inf (None: deferred, nothing read yet)."""
-    return values is not None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2]))
 # module class -> whether ``inplace`` may come from the class (weak: a class redefined in a cell goes)
 _INPLACE_CLASSES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 

@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import OpPhase
-from torch_nbdebug.record.nanwatch_context import WatchContext
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import OpPhase
+from torch_nbdebug.record.nanwatch.context import WatchContext
 from torch_nbdebug.record.tensors import storage_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
-    from torch_nbdebug.record.nanwatch_immediate import ImmediateChecks
+    from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
+    from torch_nbdebug.record.nanwatch.checks.immediate import ImmediateChecks
 
 
 class AmpChecks:

@@ -11,22 +11,23 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
+from torch_nbdebug.data.nanwatch import Kind
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import module_roots, parameter_names
-from torch_nbdebug.record.nanwatch_context import WatchContext
-from torch_nbdebug.record.nanwatch_ops import any_nonfinite, checkable
-from torch_nbdebug.record.nanwatch_events import Place, Shape, here, make_event
+from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.ops import any_nonfinite, checkable
+from torch_nbdebug.record.nanwatch.core.events import Place, Shape, here, make_event
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.stats import summarize
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
+    from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
 
 GRAD_GONE = ("the gradient was freed (zero_grad) before the deferred check was read: only whether it was "
              "finite is known")
@@ -92,8 +93,8 @@ class StepRecord(NamedTuple):
     key: int
     step: int
     entries: list[tuple[int, int, torch.Tensor]]
-    # (weak reference, version, has a norm) per entry, None where there is no gradient; None when judged at once
-    grads: Optional[list[Optional[tuple[Any, int, bool]]]]
+    # (weak reference with version, has a norm) per entry, None where there is no gradient; None when judged at once
+    grads: Optional[list[Optional[tuple[LiveRef, bool]]]]
     settings: list[tuple[Any, Any]]
     place: Optional[Place]  # None when judged at once: the line is then read only for a birth
 
@@ -154,9 +155,9 @@ class OptimizerWatch:
                 self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
                 return
             # The gradients' norms too: they may be gone (zero_grad) when the norms are read.
-            grads = [g[0]() for g in record.grads if g is not None and g[2]]
+            grads = [g[0].alive() for g in record.grads if g is not None and g[1]]
             groups, norms = norm_groups(params + grads)  # type: ignore[operator]
-            if len({n.device for n in norms}) == 1:
+            if self.deferred is not None and len({n.device for n in norms}) == 1:
                 self.deferred.queue_step(torch.cat(norms), functools.partial(self._judge, record, groups))
             else:  # parameters on several devices: read now (one transfer per device)
                 self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
@@ -170,7 +171,7 @@ class OptimizerWatch:
 
     def _record(self, opt: torch.optim.Optimizer, deferred: bool) -> StepRecord:
         entries = _params(opt)
-        grads: Optional[list[Optional[tuple[Any, int, bool]]]] = None
+        grads: Optional[list[Optional[tuple[LiveRef, bool]]]] = None
         if deferred:
             grads = [_live(p.grad) for _, _, p in entries]
         settings = [(group.get("lr"), group.get("eps")) for group in opt.param_groups]
@@ -189,7 +190,7 @@ class OptimizerWatch:
             grad, grad_norm = None, None
             if record.grads is not None:  # each gradient's norm follows the parameters', in order
                 grad = record.grads[k]
-                grad_norm = next(grad_norms) if grad is not None and grad[2] else None
+                grad_norm = next(grad_norms) if grad is not None and grad[1] else None
             if math.isfinite(norms[k]) or id(p) in self._known_bad or not any_nonfinite(p):
                 continue
             self._known_bad.add(id(p))
@@ -208,7 +209,7 @@ class OptimizerWatch:
         lr, eps = (_number(v) for v in record.settings[g])
         detail = f"lr={lr:.4g}" if lr is not None else ""
         detail += (", " if detail else "") + ("gradient finite" if grad_stats.finite else "gradient non-finite")
-        kind = "nan" if out.nan else "inf"
+        kind: Kind = "nan" if out.nan else "inf"
         if ctx.options.ignore_inf and kind == "inf":
             return
         grown = self.lrs.growth()
@@ -225,20 +226,20 @@ class OptimizerWatch:
         return self._names.get(id(p))
 
 
-def _live(grad: Any) -> Optional[tuple[Any, int, bool]]:
+def _live(grad: Any) -> Optional[tuple[LiveRef, bool]]:
     """A gradient as a :class:`StepRecord` keeps it: weakly, with its version, and whether it gets a
     norm (a sparse gradient does not: its statistics are exact or, once it is freed, unknown)."""
     if not isinstance(grad, torch.Tensor):
         return None
-    return weakref.ref(grad), grad._version, checkable(grad) and grad.numel() > 0
+    return LiveRef(grad), checkable(grad) and grad.numel() > 0
 
 
-def _grad_stats(p: torch.Tensor, grad: tuple[Any, int, bool], norm: Optional[float]) -> TensorStats:
+def _grad_stats(p: torch.Tensor, grad: tuple[LiveRef, bool], norm: Optional[float]) -> TensorStats:
     """The gradient's exact statistics while it is alive and unchanged, else what its norm says (a
     gradient has its parameter's shape): the deferred path reads a step's norms with the next forward's
     checks, and ``zero_grad`` has freed the gradient by then."""
-    t = grad[0]()
-    if t is not None and (t._version == grad[1] or norm is None):
+    t = grad[0].get() if norm is not None else grad[0].alive()
+    if t is not None:
         return summarize(t)
     nan = norm is not None and norm != norm
     inf = norm is not None and not nan and not math.isfinite(norm)

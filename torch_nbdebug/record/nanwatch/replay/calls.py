@@ -1,4 +1,4 @@
-"""The model calls' side of nanwatch's unwatched backward (``replay=True``; see :mod:`nanwatch_backward`).
+"""The model calls' side of nanwatch's unwatched backward (``replay=True``; see :mod:`replay.backward`).
 
 A model call whose forward ran without the per-op mode is a :class:`Region` until the backward after it
 is checked: the gradients into its float outputs are kept (tensor hooks) until the backward ends; a
@@ -20,27 +20,27 @@ import torch
 
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import stats_of
-from torch_nbdebug.record.nanwatch_modules import float_leaves
-from torch_nbdebug.record.nanwatch_optim import nonfinite_norms
-from torch_nbdebug.record.nanwatch_replay import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
+from torch_nbdebug.record.nanwatch.context import ReplayHost
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import stats_of
+from torch_nbdebug.record.nanwatch.checks.optim import nonfinite_norms
+from torch_nbdebug.record.nanwatch.replay.graph import (_engine_run_backward, backward_of, dense_grads, detached,
+                                                        float_grads, roots, tensors)
+from torch_nbdebug.record.nanwatch.replay.forward import (NOT_REPLAYED, Call, at_place, replay_context, user_line,
                                                   why_not_replayable)
 
-_STRIDED = torch.strided
 _MAX_REGIONS = 8  # model calls waiting for their backward (two forwards, then one backward)
 _MAX_DROPPED = 4096  # sequence ranges of the calls dropped before one backward (to name its births)
 
 
 def may_hold_birth(came_bad: bool, came_nan: bool, made_nan: bool, had_events: bool) -> bool:
     """Whether ops that made non-finite gradients can hold a birth or input data by the rules of
-    ``nanwatch_births.judge``, knowing only what reached them (``came_*``) and what they made: the
+    ``core.rules.judge``, knowing only what reached them (``came_*``) and what they made: the
     gradients reached them finite, or nothing was reported yet (input data), or a NaN came out of
     infinities only. Otherwise every op there judges "propagation": nothing to run again."""
     return not came_bad or not had_events or (made_nan and not came_nan)
 
 
-finite = ops.finite  # (the backward layer's name for it)
 
 class Region:
     """One outermost model call whose forward ran without the per-op watch, until its backward is checked."""
@@ -51,7 +51,7 @@ class Region:
         self.active = False  # a gradient reached the call in the running backward
         self.args_bad = self.args_nan = False
         self.inner: Optional[tuple[str, TensorStats]] = None  # the first non-finite module gradient
-        self.absorbed = False  # a non-finite gradient reached a masking node inside (``nanwatch_backward._Absorber``)
+        self.absorbed = False  # a non-finite gradient reached a masking node inside (``replay.backward._Absorber``)
         self.checked = False  # a backward through it was checked
         self.saved_hooks = compat.saved_tensors_hooks_active()  # a replay would run their pack/unpack again
 
@@ -91,7 +91,7 @@ class _ArgGrad:
             return
         try:
             self.region.active = True
-            if not finite(grad):
+            if not ops.finite(grad):
                 self.region.args_bad = True
                 self.region.args_nan = self.region.args_nan or ops.has_nan(grad)
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
@@ -108,7 +108,7 @@ class CallChecks:
     ``own_hook_ids``, ``quiet``, ``isolated`` and ``watched``); ``unwatched()`` says whether a backward runs
     without the per-op mode now (only then are gradients kept)."""
 
-    def __init__(self, host: Any, note: Callable[[str], None], unwatched: Callable[[], bool]) -> None:
+    def __init__(self, host: ReplayHost, note: Callable[[str], None], unwatched: Callable[[], bool]) -> None:
         self.host, self._note, self._unwatched = host, note, unwatched
         self.regions: list[Region] = []
         self.replays = 0
@@ -138,7 +138,7 @@ class CallChecks:
         _, call, end, where = calls[-1]
         if any(r.call is call for r in self.regions):
             return
-        leaves = float_leaves(output)
+        leaves = ops.float_leaves(output)
         if not any(t.requires_grad for t in leaves):
             return
         region = Region(module, call, end, where, path)
@@ -183,7 +183,7 @@ class CallChecks:
             suspects = [r for r in active if r.inner is not None or r.args_bad or r.absorbed]
             rest = [r for r in active if r.inner is None and not r.args_bad and not r.absorbed]
             if results is not None and rest and not all(
-                    finite(g) for g in (results if isinstance(results, (tuple, list)) else (results,))):
+                    ops.finite(g) for g in (results if isinstance(results, (tuple, list)) else (results,))):
                 suspects, rest = suspects + rest, []
             suspects += self._bad_weights(rest)
             left = []
@@ -203,7 +203,7 @@ class CallChecks:
         grads: list[torch.Tensor] = []
         owner: list[int] = []
         for i, region in enumerate(regions):
-            found = _float_grads(self._call_parameters(region))
+            found = float_grads(self._call_parameters(region))
             grads += found
             owner += [i] * len(found)
         values = nonfinite_norms(grads) if grads else None
@@ -228,7 +228,7 @@ class CallChecks:
     def not_replayable(self, region: Region, forward: bool = False) -> str:
         """Why the call cannot be replayed exactly ("" when it can); asked before its backward starts
         (then that backward runs watched) and again after it. ``forward``: only the reasons that keep its
-        forward from being replayed too (``Recorder.name_backward_births`` refuses the same)."""
+        forward from being replayed too (``replay.births.name_backward_births`` refuses the same)."""
         reason = why_not_replayable(region.call, region.module, self.host.own_hook_ids())
         if reason or forward:
             return reason
@@ -240,7 +240,7 @@ class CallChecks:
     def grads_before(self, regions: list[Region]) -> None:
         """As the backward starts: which parameters of ``regions`` hold a finite ``.grad`` (only those can
         overflow in this backward's accumulation; one batched norm, read when a ``.grad`` exists)."""
-        pairs = [pair for r in regions for pair in _dense_grads(self._call_parameters(r))]
+        pairs = [pair for r in regions for pair in dense_grads(self._call_parameters(r))]
         self._finite_before = set()
         if not pairs:
             return
@@ -251,7 +251,7 @@ class CallChecks:
         """Replay the call; what is left to report at module level (after every replay), or None."""
         host = self.host
         why = self.not_replayable(region)
-        before = len(host.log.events)
+        before = host.log.mark()
         if why and not self._judged(region, list(region.grads.values())):
             return None  # the non-finite gradient came into the call from outside: a propagation
         if not why:
@@ -261,7 +261,7 @@ class CallChecks:
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands
                 why = f"the replay raised {type(exc).__name__}: {exc}"
             fresh, self._fresh = self._fresh, []
-            if not why and len(host.log.events) == before:
+            if not why and not host.log.since(before):
                 if not self._reproduced and region.inner is None and not region.args_bad:
                     self._accumulated(fresh)  # only a weight's .grad: finite gradients added up to Inf?
                 if self._reproduced or (region.inner is None and not region.args_bad):
@@ -270,9 +270,9 @@ class CallChecks:
         return (region, why) if why else None
 
     def _report(self, region: Region, why: str) -> None:
-        before = len(self.host.log.events)
+        before = self.host.log.mark()
         self._module_level(region)
-        if len(self.host.log.events) > before:
+        if self.host.log.since(before):
             self._note(NOT_REPLAYED.format(module=region.path, why=why))
 
     def _accumulated(self, fresh: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
@@ -283,24 +283,18 @@ class CallChecks:
         host = self.host
         for p, new in fresh:
             g = p.grad
-            if new is None or g is None or id(p) not in self._finite_before or finite(g) or not finite(new):
+            if new is None or g is None or id(p) not in self._finite_before or ops.finite(g) or not ops.finite(new):
                 continue
             with torch.enable_grad():
-                node = p.view_as(p).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad
-            keys: list[int] = []
-            host.immediate.rerunning = keys
-            try:
+                node = p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr] # its AccumulateGrad
+            with host.log.rerunning([]):
                 _engine_run_backward(host.immediate, g, new, node)
-            finally:
-                host.immediate.rerunning = None
-            for key in dict.fromkeys(keys):
-                host.log.node_done(key, [])
 
     def _judged(self, region: Region, grads: list[torch.Tensor]) -> bool:
         """Whether the always-on watch could find a birth (or input data) inside the call, given the
-        gradients into its outputs (``nanwatch_births.judge``: finite ones, nothing reported yet, or
+        gradients into its outputs (``core.rules.judge``: finite ones, nothing reported yet, or
         a NaN inside from infinities only)."""
-        came = [g for g in grads if not finite(g)]
+        came = [g for g in grads if not ops.finite(g)]
         if not came or not self.host.log.has_events():
             return True
         came_nan = any(ops.has_nan(g) for g in came)
@@ -315,20 +309,20 @@ class CallChecks:
         gradients into the call's outputs say its non-finite values came from outside."""
         host, call, module = self.host, region.call, region.module
         indices = sorted(region.grads)
-        args, kwargs, arg_inputs = _detached(call.args), _detached(call.kwargs), []
+        args, kwargs, arg_inputs = detached(call.args), detached(call.kwargs), []
         for value in (args, kwargs):
-            arg_inputs += [t for t in _tensors(value) if t.requires_grad]
+            arg_inputs += [t for t in tensors(value) if t.requires_grad]
         self.replays += 1
         self._reproduced = False
         with host.isolated() as (log, places):
             probe, start = user_line(), compat.next_sequence_nr()
             with replay_context(module, call, lambda: host.watched(host.clock.iteration)) as changed:
                 with torch.enable_grad():
-                    leaves = float_leaves(module(*args, **kwargs))
+                    leaves = ops.float_leaves(module(*args, **kwargs))
                     for seq, place in list(places.items()):  # a library module's ops: the call's line
                         if (place.filename, place.lineno) == probe and region.where is not None:
                             places[seq] = region.where._replace(op=place.op, module=place.module)
-                    pairs = _roots([(leaves[i], region.grads[i]) for i in indices
+                    pairs = roots([(leaves[i], region.grads[i]) for i in indices
                                     if i < len(leaves) and leaves[i].requires_grad], start)
                     with host.quiet():  # (our reads are not the call's ops)
                         if not self._judged(region, [g for _, g in pairs]):
@@ -336,9 +330,9 @@ class CallChecks:
                     inputs = list(self._parameters(module)) + arg_inputs
                     host.produced.add_all([g for _, g in pairs])  # made by backward ops, as for the always-on watch
                     if pairs and inputs:
-                        made = _backward([o for o, _ in pairs], [g for _, g in pairs], inputs, start)
+                        made = backward_of([o for o, _ in pairs], [g for _, g in pairs], inputs, start)
                         with host.quiet():
-                            self._reproduced = not all(finite(g) for g in made if g is not None)
+                            self._reproduced = not all(ops.finite(g) for g in made if g is not None)
                         self._fresh = list(zip(inputs, made))  # read by _replay_or_report, then dropped
                         del made
             log.commit_held()
@@ -373,119 +367,8 @@ class CallChecks:
             path, stats = region.path, None
         else:
             found = next(((name, p.grad) for name, p in region.module.named_parameters()
-                          if p.grad is not None and not finite(p.grad)), None)
+                          if p.grad is not None and not ops.finite(p.grad)), None)
             if found is None:
                 return
             path, stats = f"{region.path}.{found[0]}", stats_of([found[1]], 1)[0]
         self.host.modules.gradient_birth(path, stats, self.host.clock.iteration)
-
-
-
-def _backward(outs: list[torch.Tensor], grads: list[Any], inputs: list[torch.Tensor],
-              start: int) -> list[Optional[torch.Tensor]]:
-    """The replayed call's backward, accumulating into no ``.grad`` of the user's: ``autograd.grad``; a
-    reentrant checkpoint refuses it, so there ``backward()`` runs with every leaf's ``.grad`` it can
-    reach (and the call's parameters') set aside and put back afterwards (the same tensors). Returns the
-    gradients it computed for ``inputs`` (None where unused; the caller drops them once read)."""
-    leaves, reentrant = _graph_leaves(outs, start)
-    if not reentrant:
-        return list(torch.autograd.grad(outs, inputs, grad_outputs=grads, allow_unused=True))
-    held = list({id(t): t for t in [*inputs, *leaves]}.values())
-    saved = [t.grad for t in held]
-    try:
-        for t in held:
-            t.grad = None
-        torch.autograd.backward(outs, grads)
-        made = {id(t): t.grad for t in held}
-        return [made[id(t)] for t in inputs]
-    finally:
-        for t, g in zip(held, saved):
-            t.grad = g
-
-
-def _graph_leaves(outs: list[torch.Tensor], start: int) -> tuple[list[torch.Tensor], bool]:
-    """The leaf tensors a replayed graph accumulates into, and whether it holds a reentrant checkpoint."""
-    leaves: list[torch.Tensor] = []
-    reentrant, seen = False, {}  # (nodes held while walking: ids of freed objects are reused)
-    stack = [t.grad_fn for t in outs]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen[id(fn)] = fn
-        variable = getattr(fn, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            leaves.append(variable)
-            continue
-        if compat.node_sequence_nr(fn) < start:
-            continue
-        reentrant = reentrant or "CheckpointFunction" in fn.name()
-        stack += [f for f, _ in fn.next_functions]
-    return leaves, reentrant
-
-
-def _roots(pairs: list[tuple[torch.Tensor, Any]], start: int) -> list[tuple[torch.Tensor, Any]]:
-    """The replayed outputs that no other output was computed from (a model returning ``(loss, logits)``:
-    the loss; the gradient into the logits came through it), with their gradients."""
-    if len(pairs) < 2:
-        return pairs
-    reached: dict[int, Any] = {}  # (held while walking: ids of freed objects are reused)
-    for t, _ in pairs:
-        stack = [f for f, _ in t.grad_fn.next_functions] if t.grad_fn is not None else []
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in reached:
-                continue
-            seq = compat.node_sequence_nr(fn)
-            if seq == compat.NO_SEQUENCE or seq < start:
-                continue
-            reached[id(fn)] = fn
-            stack += [f for f, _ in fn.next_functions]
-    return [(t, g) for t, g in pairs if t.grad_fn is None or id(t.grad_fn) not in reached]
-
-
-def _dense_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, its ``.grad``) where the ``.grad`` is a plain strided tensor (each ``.grad`` read once)."""
-    pairs = []
-    for p in params:
-        g = p.grad
-        if g is not None and type(g) is torch.Tensor and g.layout == _STRIDED:
-            pairs.append((p, g))
-    return pairs
-
-
-def _float_grads(params: "tuple[torch.Tensor, ...] | list[torch.Tensor]") -> list[torch.Tensor]:
-    """The floating-point ones of :func:`_dense_grads`' gradients."""
-    return [g for _, g in _dense_grads(params) if g.is_floating_point()]
-
-
-def _detached(value: Any) -> Any:
-    """The call's arguments, each float tensor that requires grad detached (a leaf of the replay's own
-    graph: its backward never runs into the user's graph, whose buffers may be freed)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_() if value.requires_grad and ops.checkable(value) else value
-    if type(value) in (list, tuple):
-        return type(value)(_detached(v) for v in value)
-    if type(value) is dict:
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if type(value) in (list, tuple):
-        return [t for v in value for t in _tensors(v)]
-    if type(value) is dict:
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _engine_run_backward(checks: Any, grad: torch.Tensor, new: torch.Tensor, node: Any) -> None:
-    """A parameter's accumulation ``grad += new`` (already done: ``grad`` holds the non-finite sum; the
-    old value was finite) judged as the always-on watch judges the ``add_`` the autograd engine ran in
-    the parameter's ``AccumulateGrad``. Named as torch's engine entry on purpose: the walk for the
-    user's own backward code (``nanwatch_events.user_backward_frame``) stops at this frame, as it stops
-    for every op the engine runs; the line is then the one that called ``backward()``."""
-    checks.examine(torch.ops.aten.add_.Tensor, (grad, new), {}, [grad], "backward", node,
-                   torch.zeros((), dtype=grad.dtype), None)

@@ -5,10 +5,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from torch_nbdebug.record import compat
 from torch_nbdebug.record.compat import EagerDispatchMode
 
 from torch_nbdebug.errors import NanBirthError
-from torch_nbdebug.record.nanwatch_ops import pre_state
+from torch_nbdebug.record.nanwatch.core.ops import pre_state
 
 
 class OpWatchMode(EagerDispatchMode):
@@ -42,3 +43,15 @@ class OpWatchMode(EagerDispatchMode):
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
             self._on_error(str(func), exc)
         return out
+
+
+def take_function_mode(mode: Any) -> None:
+    """Take ``mode`` out of the function-mode stack from under modes pushed after it (kept, in order)."""
+    above = []
+    while compat.function_stack_len():
+        top = compat.pop_function_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for top in reversed(above):
+        compat.push_function_mode(top)

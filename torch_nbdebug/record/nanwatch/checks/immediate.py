@@ -1,7 +1,7 @@
 """The immediate check path (CPU): a flagged op is judged at once, while its tensors are alive.
 
 The recorder's hot path has already found a non-finite output sum; here the inputs are read, the facts
-go to :func:`~torch_nbdebug.record.nanwatch_births.judge`, and the event goes to the log. A backward
+go to :func:`~torch_nbdebug.record.nanwatch.core.rules.judge`, and the event goes to the log. A backward
 birth waits for its autograd node to finish (a post hook on the node reads the gradients it made).
 """
 from __future__ import annotations
@@ -12,20 +12,17 @@ from typing import Any, Optional
 
 import torch
 
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_births import InputFact, OpFacts, OpPhase, judge, judge_absorb
-from torch_nbdebug.record.nanwatch_context import NodeDone, WatchContext, op_site, report_op, shown_inputs
-from torch_nbdebug.record.nanwatch_events import node_input_producer, producer, stats_of
-from torch_nbdebug.record.nanwatch_params import copied_from
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.rules import InputFact, OpFacts, OpPhase, judge, judge_absorb
+from torch_nbdebug.record.nanwatch.context import NodeDone, WatchContext, op_site, report_op, shown_inputs
+from torch_nbdebug.record.nanwatch.core.events import node_input_producer, producer, stats_of
+from torch_nbdebug.record.nanwatch.core.params import copied_from
 from torch_nbdebug.record.stats import summarize
 from torch_nbdebug.record.tensors import storage_key
 
 class ImmediateChecks:
     def __init__(self, ctx: WatchContext) -> None:
         self.ctx = ctx
-        # replay: a node run again from inside its own post hook (nanwatch_backward): a hook added to it
-        # now would not run; the caller decides its held births with the gradients it already has.
-        self.rerunning: Optional[list[int]] = None  # the held keys, while a node runs again
 
     def examine(self, func: Any, args: tuple, kwargs: dict, bad: list[torch.Tensor], phase: OpPhase, node: Any,
                 pre: Optional[torch.Tensor], seq: Optional[int]) -> None:
@@ -35,7 +32,7 @@ class ImmediateChecks:
         inputs = ops.op_inputs(func, args, kwargs)  # out= tensors are outputs, not inputs
         values = [_confirmed(t, ops.sum_value(t)) for t in inputs]
         inplace = pre is not None and bool(inputs) and inputs[0] is args[0]
-        if inplace:
+        if pre is not None and inplace:
             values[0] = float(pre.item())  # x.log_(): judge self by its value before the op
         in_bad = [not math.isfinite(v) for v in values]
         if not any(in_bad):
@@ -73,10 +70,7 @@ class ImmediateChecks:
     def hold(self, node: Any, event: Any) -> None:
         """A backward birth counts only once a non-finite gradient leaves its node (a post hook decides)."""
         key = id(node)
-        if self.rerunning is not None:
-            self.rerunning.append(key)
-            self.ctx.log.hold(key, event)
-        elif self.ctx.log.hold(key, event):
+        if self.ctx.log.hold(key, event):  # (not while the node runs again: see EventLog.rerunning)
             self.ctx.keep_handle(node.register_hook(NodeDone(self, key)))
 
     def node_done(self, key: int, grad_inputs: Any) -> None:

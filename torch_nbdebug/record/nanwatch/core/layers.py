@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import LayerStats
-from torch_nbdebug.record.nanwatch_ops import HALF, checkable, read_together
+from torch_nbdebug.record.nanwatch.core.ops import HALF, checkable, read_together
 
 _isfinite = math.isfinite
 
@@ -63,7 +63,7 @@ class _Side:
     def take(self, values: list[float]) -> bool:
         """Store one reading; True when it is the first non-finite one."""
         self.last = values
-        if self.bad is None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+        if self.bad is None and nonfinite_reading(values):
             self.bad = values
             return True
         return False
@@ -81,7 +81,7 @@ class _Row:
 class Later:
     """One deferred reading handed back: its ``[min, max, mean]`` once the flush has read it (None
     until then). The deferred module-mode check of the same output or gradient judges it from these
-    (nanwatch_deferred); other paths ask for none."""
+    (checks.deferred); other paths ask for none."""
 
     __slots__ = ("values",)
 
@@ -200,10 +200,6 @@ class LayerRecorder:
         self.flush()
         return tuple([_to_stats(path, row, path in birth_modules) for path, row in self._rows.items()])
 
-    def clear(self) -> None:
-        self._rows.clear()
-        self._waiting, self._parts = [], []
-
 
 def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
     # (positional, no helper per side: this runs for every row at every watch's end)
@@ -217,12 +213,17 @@ def _to_stats(path: str, row: _Row, birth: bool) -> LayerStats:
 _UNSEEN = (None, None, None)
 
 
-def _nums(values: Optional[list[float]]) -> tuple[Optional[float], ...]:
+def _nums(values: Optional[list[float]]) -> tuple[Optional[float], Optional[float], Optional[float]]:
     """``[min, max, mean]`` for the table; JSON (the widget's sync) has no NaN/Inf: a non-finite value
     is None there, and the row's finiteness flag says why."""
     if values is None:
         return _UNSEEN
     lo, hi, mean = values
     if _isfinite(lo) and _isfinite(hi) and _isfinite(mean):
-        return tuple(values)
+        return lo, hi, mean
     return (lo if _isfinite(lo) else None, hi if _isfinite(hi) else None, mean if _isfinite(mean) else None)
+
+
+def nonfinite_reading(values: Optional[list[float]]) -> bool:
+    """A reading ``[min, max, mean]`` holds a NaN/Inf (None: not read yet, as on the deferred path)."""
+    return values is not None and not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2]))

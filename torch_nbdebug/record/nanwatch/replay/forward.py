@@ -1,7 +1,7 @@
 """Pinpoint by replay: re-run one module call under the per-op watch when its output went non-finite.
 
 With ``replay=True`` the per-op dispatch mode is off while a model's forward runs; the cheap module
-layer (:mod:`nanwatch_kept`) keeps each module call's output, arguments, the RNG state it started
+layer (:mod:`replay.kept`) keeps each module call's output, arguments, the RNG state it started
 with and the arguments' ``_version``. When the kept output is non-finite, :func:`replay_call` runs
 that call again, with the same arguments and parameters (the check runs before ``optimizer.step``
 changes them) and the same RNG state, under the per-op watch, so the event names the op and line the
@@ -12,7 +12,7 @@ no backward runs (no ``.grad``), autocast is as it was in the call, and the repl
 dropped. When the arguments were changed in place since the call, or one is an object the call may
 update (a KV cache), or a hook would run again, the replay is not attempted; the caller then reports
 at module level and says why. A birth in a model's backward is replayed the same way, forward and
-backward together (:mod:`nanwatch_backward_calls`, with :func:`replay_context`).
+backward together (:mod:`replay.calls`, with :func:`replay_context`).
 """
 from __future__ import annotations
 
@@ -20,16 +20,18 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, ContextManager, Iterator, Optional
 
 import torch
 
+from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_events import here
-from torch_nbdebug.record.nanwatch_params import bad_parameters
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.events import here
+from torch_nbdebug.record.nanwatch.core.params import bad_parameters
+from torch_nbdebug.record.nanwatch.replay.restore import (autocast_as, grad_mode, restored_attributes, restored_buffers,
+                                                          restored_rng, rng_state)
 from torch_nbdebug.record.source import line_of
-from torch_nbdebug.record.nanwatch_ops import propagating_sum
 
 
 @dataclass(slots=True)
@@ -110,13 +112,6 @@ def _strong(value: Any) -> Any:
     return value
 
 
-def rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
-    """The CPU generator's state (a 5 KB copy, under a microsecond) and CUDA's when CUDA is in use
-    (``is_initialized`` alone: it is never True without a device, and ``is_available`` costs more)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
 Start = tuple[tuple[torch.Tensor, Optional[list[torch.Tensor]]], tuple[int, ...], int]  # RNG, versions, seq
 
 
@@ -133,7 +128,8 @@ def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
     tensors = tuple([t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)] if kwargs
                     else [t for t in args if isinstance(t, torch.Tensor)])
     rng: tuple[Optional[torch.Tensor], Optional[list[torch.Tensor]]] = (None, None)
-    seq, before = None, ()
+    seq: Optional[int] = None
+    before: tuple[int, ...] = ()
     if start is not None:
         rng, before, seq = start
     # (the tensors the start saw keep its versions; only those after them are read now)
@@ -156,8 +152,8 @@ def replay_context(module: torch.nn.Module, call: Call, watched: Callable[[], An
     """What :func:`replay_call` runs the call in (for a caller that also runs its backward): the
     yielded list gets True when the replay changed a module attribute (put back)."""
     changed: list[bool] = []
-    with _restored_attributes(module, changed), _restored_rng(call), _restored_buffers(module), \
-            _grad_mode(call.grad_enabled), _autocast_as(call.autocast), watched():
+    with restored_attributes(module, changed), restored_rng(call.rng, call.cuda_rng), restored_buffers(module), \
+            grad_mode(call.grad_enabled), autocast_as(call.autocast), watched():
         yield changed
 
 
@@ -190,110 +186,6 @@ def why_not_replayable(call: Call, module: torch.nn.Module, own_hooks: Collectio
             else "")
 
 
-_STRUCTURE = ("_parameters", "_modules", "_buffers")
-
-
-@contextlib.contextmanager
-def _restored_attributes(module: torch.nn.Module, changed: list[bool]) -> Iterator[None]:
-    """Each submodule's plain attributes (``self.n += 1``, a list ``forward`` appends to) are put back
-    after the replay; ``changed`` gets True when one differed."""
-    saved = [(m, {k: v for k, v in m.__dict__.items() if k not in _STRUCTURE}) for m in module.modules()]
-    copies = [{k: _shallow(v) for k, v in attrs.items() if type(v) in (list, dict, set)} for _, attrs in saved]
-    try:
-        yield
-    finally:
-        for (m, attrs), contents in zip(saved, copies):
-            now = m.__dict__
-            for k in [k for k in now if k not in attrs and k not in _STRUCTURE]:
-                del now[k]
-                changed.append(True)
-            for k, v in attrs.items():
-                if now.get(k, _MISSING) is not v:
-                    now[k] = v
-                    changed.append(True)
-            for k, copy in contents.items():
-                if not _same_contents(attrs[k], copy):
-                    _put_back(attrs[k], copy)
-                    changed.append(True)
-
-
-_MISSING = object()
-
-
-def _shallow(value: Any) -> Any:
-    return list(value) if type(value) is list else dict(value) if type(value) is dict else set(value)
-
-
-def _same_contents(now: Any, copy: Any) -> bool:
-    if type(now) is dict:
-        return now.keys() == copy.keys() and all(now[k] is copy[k] for k in copy)
-    if type(now) is set:
-        return now == copy
-    return len(now) == len(copy) and all(a is b for a, b in zip(now, copy))
-
-
-def _put_back(now: Any, copy: Any) -> None:
-    if type(now) is list:
-        now[:] = copy
-    else:
-        now.clear()
-        now.update(copy)
-
-
-@contextlib.contextmanager
-def _autocast_as(state: tuple) -> Iterator[None]:
-    """Autocast as when the call ran (a backward birth's forward is replayed after its autocast ended)."""
-    with contextlib.ExitStack() as stack:
-        for context in compat.autocast_contexts(state):
-            stack.enter_context(context)
-        yield
-
-
-@contextlib.contextmanager
-def _grad_mode(enabled: bool) -> Iterator[None]:
-    """The call's grad mode, set inside the try (``torch.set_grad_enabled`` sets it on construction,
-    before its ``with`` protects it: a Stop landing there would leave it changed)."""
-    before = torch.is_grad_enabled()
-    try:
-        torch.set_grad_enabled(enabled)
-        yield
-    finally:
-        torch.set_grad_enabled(before)
-
-
-@contextlib.contextmanager
-def _restored_rng(call: Call) -> Iterator[None]:
-    now_cpu, now_cuda = rng_state()
-    try:
-        if call.rng is not None:
-            torch.set_rng_state(call.rng)
-        if call.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(call.cuda_rng)
-        yield
-    finally:
-        torch.set_rng_state(now_cpu)
-        if now_cuda is not None:
-            torch.cuda.set_rng_state_all(now_cuda)
-
-
-@contextlib.contextmanager
-def _restored_buffers(module: torch.nn.Module) -> Iterator[None]:
-    """The replay runs on detached clones of every buffer (BatchNorm's running mean/var and batch
-    counter): the user's buffers are never written, so their ``_version`` (which autograd checks for
-    the buffers it saved) stays; the original dict entries are put back afterwards."""
-    saved = [(m, dict(m._buffers)) for m in module.modules()]
-    try:
-        for m, buffers in saved:
-            for name, buf in buffers.items():
-                if isinstance(buf, torch.Tensor):
-                    m._buffers[name] = buf.detach().clone()
-        yield
-    finally:
-        for m, buffers in saved:
-            m._buffers.clear()
-            m._buffers.update(buffers)
-
-
 NOT_REPLAYED = ("{module}: replay not possible ({why}); reported at module level")
 
 
@@ -303,44 +195,46 @@ class Replayer:
     ``watched`` is the recorder's context that puts the per-op watch on for a replay (and keeps the
     module layer out of it); ``fallback(entry)`` reports the call at module level."""
 
-    def __init__(self, ctx: Any, watched: Callable[[], Any], fallback: Callable[[Any, int], None],
+    def __init__(self, ctx: Any, watched: Callable[[int], ContextManager[None]], fallback: Callable[[Any, int], None],
                  own_hooks: Callable[[], Collection[int]] = tuple) -> None:
         self.ctx, self._watched, self._fallback, self._own_hooks = ctx, watched, fallback, own_hooks
         self.notes: list[str] = []
         self.replays = 0
 
     def birth(self, entry: Any, first: int = 0, fallback: bool = True) -> bool:
-        """``entry`` (a forward :class:`~nanwatch_kept.Kept`) came out non-finite: find who made it.
+        """``entry`` (a forward :class:`~replay.kept.Kept`) came out non-finite: find who made it.
         ``first``: the log's length when this check began (events of earlier checks are other births)."""
         log, path = self.ctx.log, entry.paths[0]
         if compat.current_autograd_node() is not None:
             return False  # a forward run by backward (checkpointing): the backward's own check replays it
-        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.events[first:]):
+        if any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
             return False  # an inner call's birth, replayed already: this output only carries it
         inputs = entry.live_inputs() or ()
-        if log.has_events() and any(ops.has_nan(x) for x in inputs if not _finite(x)):
+        if log.has_events() and any(ops.has_nan(x) for x in inputs if not ops.finite(x)):
             return False  # an earlier birth's NaN flowing through (an Inf turning into a NaN is replayed)
         call: Optional[Call] = entry.call.resolved() if entry.call is not None else None
         why = ("its arguments were not kept" if entry.call is None
                else "its arguments were freed before the check (no_grad)" if call is None
                else "its arguments were changed in place after the call" if call.changed()  # (at the module's exit)
                else why_not_replayable(call, entry.module, self._own_hooks()))
-        before = len(log.events)
+        before = log.mark()
         if not why:
             self.replays += 1
             probe, seq = user_line(), compat.next_sequence_nr()
             try:
-                if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type]
+                if replay_call(entry.module, call, lambda: self._watched(entry.iteration)):  # type: ignore[arg-type] # (call: not None here)
                     self.note(f"{path}: the replay changed the module's attributes (put back)")
             except Exception as exc:  # noqa: BLE001 - the module-level answer stands (unless it found the op)
-                if len(log.events) == before:
+                if not log.since(before):
                     why = f"the replay raised {type(exc).__name__}: {exc}"
         if not why:
+            assert call is not None  # (no reason not to replay: its arguments were found)
             shift = call.seq - seq if call.seq is not None else None
-            relocate(log.events, before, probe, entry.place, shift)
+            for i, event in enumerate(log.since(before), before):
+                log.rewrite(i, relocated(event, probe, entry.place, shift))
             if shift is not None:
                 log.renumber(before, shift)
-            if len(log.events) > before:
+            if log.since(before):
                 return True
             why = "the replay stayed finite (randomness or state outside the call, or nondeterminism)"
             if bad_parameters(entry.module):  # copied out by ops no check watches (an embedding's row)
@@ -348,7 +242,7 @@ class Replayer:
         if not fallback:
             return False
         self._fallback(entry, first)
-        if len(log.events) > before and why:
+        if log.since(before) and why:
             self.note(NOT_REPLAYED.format(module=path, why=why))
         return False
 
@@ -358,29 +252,22 @@ class Replayer:
             self.notes.append(note)
 
 
-def _finite(t: torch.Tensor) -> bool:
-    with torch.no_grad():
-        return bool(torch.isfinite(propagating_sum(t)))
-
-
 def user_line() -> tuple[Optional[str], Optional[int]]:
     place = here(None, None)
     return place.filename, place.lineno
 
 
-def relocate(events: list, start: int, probe: tuple[Optional[str], Optional[int]], place: Any,
-              seq_shift: Optional[int]) -> None:
-    """Events of a replayed library module carry the line the replay ran from: give them the line of
-    the original call (a module whose forward is the user's own code keeps its own line); their
-    autograd sequence numbers are moved to the original call's (same ops in the same order)."""
-    for i in range(start, len(events)):
-        event = events[i]
-        if (event.filename, event.lineno) == probe and place is not None:
-            event = at_place(event, place)
-        if event.sequence_nr is not None:
-            event = dataclasses.replace(event, sequence_nr=event.sequence_nr + seq_shift if seq_shift is not None
-                                        else None)
-        events[i] = event
+def relocated(event: NanEvent, probe: tuple[Optional[str], Optional[int]], place: Any,
+              seq_shift: Optional[int]) -> NanEvent:
+    """An event of a replayed library module carries the line the replay ran from: give it the line of
+    the original call (a module whose forward is the user's own code keeps its own line); its autograd
+    sequence number is moved to the original call's (same ops in the same order)."""
+    if (event.filename, event.lineno) == probe and place is not None:
+        event = at_place(event, place)
+    if event.sequence_nr is not None:
+        event = dataclasses.replace(event, sequence_nr=event.sequence_nr + seq_shift if seq_shift is not None
+                                    else None)
+    return event
 
 
 def at_place(event: Any, place: Any) -> Any:
@@ -454,11 +341,11 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
             return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
         modules.append(m)
-        for p in m._parameters.values():
+        for p in compat.own_parameters(m):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
-        stack += [c for c in reversed(m._modules.values()) if c is not None]
+        stack += [c for c in reversed(compat.child_modules(m)) if c is not None]
     return modules, tuple(found)
 
 

@@ -10,34 +10,46 @@ replay only, when it was made without autograd and shares no storage with the mo
 """
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_kept import Kept
-from torch_nbdebug.record.nanwatch_replay import Replayer
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.tensors import storage_key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_nbdebug.record.nanwatch_modules import ModuleChecks
+from torch_nbdebug.record.nanwatch.context import WatchContext
+from torch_nbdebug.record.nanwatch.core.events import Place
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, nonfinite_reading
+from torch_nbdebug.record.nanwatch.replay.kept import Kept, KeptReadings
 
-_isfinite = math.isfinite
+
+class KeptOwner(Protocol):
+    """What a check of the kept outputs touches of the module checks (``ModuleChecks``): the kept outputs,
+    the per-layer table, and the module-level report when no replay names the op."""
+
+    ctx: WatchContext
+    layers: LayerRecorder
+    kept: Optional[KeptReadings]
+
+    def module_fallback(self, entry: Kept, first: int = 0) -> None: ...
+
+    def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
+                     place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> bool: ...
+
 
 
 class KeptCheck:
     """One check of the kept outputs (``ModuleChecks.check_kept``): ``outer`` is the model's call when it
     returned (None: an early check while it runs), ``model_seq`` its first autograd node number."""
 
-    def __init__(self, checks: "ModuleChecks", replayer: Replayer, outer: Optional[Kept],
+    def __init__(self, checks: KeptOwner, replayer: Replayer, outer: Optional[Kept],
                  model_seq: Optional[int]) -> None:
         self.checks, self.replayer, self.outer, self.model_seq = checks, replayer, outer, model_seq
 
     def run(self) -> None:
         checks, outer, log = self.checks, self.outer, self.checks.ctx.log
-        first = len(log.events)  # events of earlier checks are other births, not this output's
+        first = log.mark()  # events of earlier checks are other births, not this output's
         freed: list[Kept] = []
         overflowed_freed = False  # a call that may have overflowed inside was freed before its replay
         inside: list[Kept] = []
@@ -47,11 +59,11 @@ class KeptCheck:
         arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
             else None
         strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
+        assert checks.kept is not None
         for entry in checks.kept.take():
             for path in entry.paths if entry.table else ():
                 checks.layers.take_forward(path, entry.values)
-            values = entry.values
-            if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+            if nonfinite_reading(entry.values):
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
                 elif self.model_seq is not None and (how := self._made_inside(entry, self.model_seq, arg_keys)):
@@ -60,7 +72,7 @@ class KeptCheck:
                     if how == 2:
                         strong.add(id(entry))
                 elif inside and encloses(entry, inside):  # at module level only once the model's replay failed
-                    if not self.replayer.birth(entry, first, fallback=False) and len(log.events) == first:
+                    if not self.replayer.birth(entry, first, fallback=False) and not log.since(first):
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
@@ -74,17 +86,16 @@ class KeptCheck:
             checks.kept.entries[:0] = later
         if inside and outer is not None:
             self._inside_births(inside, waiting, outer, first, strong)
-        events = log.events
-        if overflowed_freed and outer is not None and len(events) == first:
+        if overflowed_freed and outer is not None and not log.since(first):
             self.replayer.birth(outer, first, fallback=False)
         if freed and outer is not None and not any(
                 e.module and (e.module == outer.paths[0] or e.module.startswith(outer.paths[0] + "."))
-                for e in events[first:]):
+                for e in log.since(first)):
             if self.replayer.birth(outer, first, fallback=False):  # the whole model's call names the ops
                 freed = []
         for entry in freed:
             path = entry.paths[0]
-            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in events[first:]):
+            if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
                 checks.module_fallback(entry, first)
 
     def _overflowed_inside(self, entry: Kept) -> bool:
@@ -102,7 +113,7 @@ class KeptCheck:
         """A nested call's non-finite output whose non-finite inputs code of an enclosing module made,
         between its submodules (the unwatched part of a forward), before any birth: replaying this call
         would only see them come in ("input data"). 2: autograd made them all inside the model's call (nodes
-        numbered from the call's first on: :func:`made_since`); 1: the others were made without autograd and
+        numbered from the call's first on: :func:`~torch_nbdebug.record.nanwatch.core.ops.made_since`); 1: the others were made without autograd and
         share no storage with the model's arguments (``arg_keys``; None: not known yet, an early check), so an
         enclosing call's replay can tell (never enough for a module-level answer); 0: data coming in (an
         argument, by keyword or not, or a view of one)."""
@@ -112,7 +123,7 @@ class KeptCheck:
         bad = [x for x in inputs if not isinstance(x, torch.nn.Parameter) and not ops.finite(x)]
         if not bad:
             return 0
-        made = [made_since(x, model_seq) for x in bad]
+        made = [ops.made_since(x, model_seq) for x in bad]
         if all(made):
             return 2
         return int(all(m or (x.grad_fn is None and (arg_keys is None or storage_key(x) not in arg_keys))
@@ -126,13 +137,14 @@ class KeptCheck:
         model's whole call is replayed; if that names nothing either, the enclosing calls are reported at
         module level; without them, the module that called one whose inputs autograd saw made inside
         (``strong``); else each call is replayed as before (its inputs reported)."""
-        if len(self.checks.ctx.log.events) > first:
+        log = self.checks.ctx.log
+        if log.since(first):
             return  # an enclosing call's replay named the op: these outputs carry its values
-        if self.replayer.birth(outer, first, fallback=False) or len(self.checks.ctx.log.events) > first:
+        if self.replayer.birth(outer, first, fallback=False) or log.since(first):
             return
         for entry in waiting:
             self.replayer.birth(entry, first)  # replays again, then reports at module level, with the reason
-            if len(self.checks.ctx.log.events) > first:
+            if log.since(first):
                 return
         for entry in inside:
             if id(entry) in strong and self._enclosing_birth(entry, outer, first):
@@ -155,29 +167,11 @@ class KeptCheck:
             return False
         place = entry.place._replace(module=parent) if entry.place is not None else None
         self.checks.module_birth(parent, module, (), t, place, entry.iteration, first)
-        if len(self.checks.ctx.log.events) == first:
+        if not self.checks.ctx.log.since(first):
             return False
         self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "
                            "the model's call could be replayed; reported at module level")
         return True
-
-
-def made_since(t: torch.Tensor, seq: int) -> bool:
-    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
-    autograd, was not)."""
-    fn = t.grad_fn
-    return fn is not None and compat.node_sequence_nr(fn) >= seq
-
-
-def as_when_left(log: Any, path: str, first: int, left_at: dict[str, int]) -> tuple[bool, bool]:
-    """Module mode: (a submodule already reported, any event before) for the module at ``path``: as they
-    were when a submodule left it its non-finite inputs, if one did (a later, independent birth in a
-    sibling must not make this module's own one a propagation), else as they are now."""
-    cut = left_at.pop(path, None)
-    events = log.events[first:cut] if cut is not None else log.events[first:]
-    inner = any(e.module and e.module.startswith(path + ".") for e in events)
-    had_events = (cut > 0 or log.dropped > 0) if cut is not None else log.has_events()
-    return inner, had_events
 
 
 def encloses(entry: Kept, inside: list[Kept]) -> bool:

@@ -12,8 +12,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.errors import NanBirthError
-from torch_nbdebug.record.nanwatch_births import keeps_backward_birth
-from torch_nbdebug.record.nanwatch_events import birth_message
+from torch_nbdebug.record.nanwatch.core.rules import keeps_backward_birth
+from torch_nbdebug.record.nanwatch.core.events import birth_message
 
 
 class EventLog:
@@ -30,8 +30,17 @@ class EventLog:
         self._held: dict[int, list[NanEvent]] = {}  # backward births waiting for their node to finish
         self._carried: dict[int, int] = {}  # storage key of an op output carrying a forward birth on -> its index
         self._differentiable: set[int] = set()  # forward births whose values reached a tensor requiring grad
+        self._rerun: Optional[list[int]] = None  # while a node runs again: the nodes of the births held meanwhile
 
     # -- questions ------------------------------------------------------------------------------
+    def mark(self) -> int:
+        """Where the log stands now: :meth:`since` tells what a check added after it."""
+        return len(self.events)
+
+    def since(self, mark: int) -> list[NanEvent]:
+        """The events added after ``mark`` (:meth:`mark`)."""
+        return self.events[mark:]
+
     def has_events(self) -> bool:
         return bool(self.events) or self.dropped > 0
 
@@ -98,6 +107,10 @@ class EventLog:
         self.events.append(event)
         self.absorbed.add(len(self.events) - 1)
 
+    def rewrite(self, i: int, event: NanEvent) -> None:
+        """The one in-place edit: event ``i`` told more precisely (a forward op and line found by a replay)."""
+        self.events[i] = event
+
     def renumber(self, start: int, shift: int) -> None:
         """Events from ``start`` on were made by a replay: their forward sequence numbers move by ``shift``
         to the original call's (the gradients of a reported forward birth stay quiet)."""
@@ -150,13 +163,28 @@ class EventLog:
 
     # -- backward births wait for their node ----------------------------------------------------
     def hold(self, node_key: int, event: NanEvent) -> bool:
-        """Hold a backward birth until its node finishes; True when this node was not held yet."""
+        """Hold a backward birth until its node finishes; True when its node needs a hook to tell when (not
+        held yet, and not run again under :meth:`rerunning`, which decides itself)."""
+        if self._rerun is not None:
+            self._rerun.append(node_key)
         held = self._held.get(node_key)
         if held is None:
             self._held[node_key] = [event]
-            return True
+            return self._rerun is None
         held.append(event)
         return False
+
+    @contextlib.contextmanager
+    def rerunning(self, grads_bad: Sequence[bool]) -> Iterator[None]:
+        """A backward node run again under the per-op watch, from its own hook: the births held meanwhile are
+        decided when it returns by ``grads_bad`` (the gradients that left the node), not by hooks of their own."""
+        outer, self._rerun = self._rerun, []
+        try:
+            yield
+        finally:
+            keys, self._rerun = self._rerun, outer
+        for key in dict.fromkeys(keys):
+            self.node_done(key, grads_bad)
 
     def is_held(self, node_key: int) -> bool:
         return node_key in self._held
@@ -189,12 +217,6 @@ class EventLog:
             if event.phase == "backward" and i not in self.absorbed:
                 self.events[i] = dataclasses.replace(event, cause="grad_scaler_skip", detail=SCALER_SKIPPED)
                 self.absorbed.add(i)
-
-    def take(self) -> tuple[list[NanEvent], set[int]]:
-        """Hand the events over (the report is built from them) and start empty."""
-        events, absorbed = self.events, self.absorbed
-        self.events, self.absorbed = [], set()
-        return events, absorbed
 
     def clear_keys(self) -> None:
         self._birth_keys.clear()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import types
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -15,7 +14,8 @@ import torch
 from torch_nbdebug.data.nanwatch import Kind, NanEvent
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record.compat import node_sequence_nr
-from torch_nbdebug.record.nanwatch_births import OpPhase, Verdict
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
+from torch_nbdebug.record.nanwatch.core.rules import OpPhase, Verdict
 from torch_nbdebug.record.source import is_user_code, line_of, user_frame
 from torch_nbdebug.record.stats import summarize
 
@@ -139,30 +139,24 @@ def make_event(phase: str, op: str, place: Place, inputs: tuple[TensorStats, ...
 class Shape(NamedTuple):
     """What a deferred check keeps of a tensor until its flags are read: no data, no strong reference.
 
-    ``ref`` is a weak reference and ``version`` the tensor's version counter when the op ran: if the
-    tensor is still alive and unchanged when the flags are read, its exact statistics are taken then.
+    ``held`` is a :class:`~torch_nbdebug.record.nanwatch.core.live.LiveRef`: if the tensor is still alive
+    and unchanged when the flags are read, its exact statistics are taken then.
     """
 
     shape: tuple[int, ...]
     dtype: str
     device: str
     numel: int
-    ref: Any = None
-    version: int = -1
+    held: Optional[LiveRef] = None
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Shape":
-        try:
-            ref, version = weakref.ref(t), t._version
-        except (TypeError, RuntimeError):  # a tensor without weak references or version counter
-            ref, version = None, -1
         return cls(tuple(int(s) for s in t.shape), str(t.dtype).replace("torch.", ""), str(t.device), t.numel(),
-                   ref, version)
+                   LiveRef.of(t))
 
     def live(self) -> Optional[torch.Tensor]:
         """The tensor, if it is alive and still holds the values the op saw."""
-        t = self.ref() if self.ref is not None else None
-        return t if t is not None and t._version == self.version else None
+        return self.held.get() if self.held is not None else None
 
     def stats(self, nan: bool, inf: bool, neg: bool = False) -> TensorStats:
         """Exact statistics of the live, unchanged tensor, else what the flags say (``neg``: -inf)."""

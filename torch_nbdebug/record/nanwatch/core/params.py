@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from torch_nbdebug.data.nanwatch import Cause, ParamKind
-from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.modules import compiled_original, module_roots
 from torch_nbdebug.record.tensors import storage_key
 
@@ -35,7 +35,7 @@ class Carrier(NamedTuple):
 
     def fields(self) -> dict[str, Any]:
         """The event fields: ``param``, ``param_kind``, ``cause`` and the human ``detail``."""
-        found = dict(cause=self.cause, detail=self.detail)
+        found: dict[str, Any] = dict(cause=self.cause, detail=self.detail)
         if self.names:
             found.update(param=self.names[0], param_kind=self.kind)
         return found
@@ -57,7 +57,7 @@ def storage_index(namespace: Optional[Mapping[str, Any]]) -> dict[int, tuple[str
     return index
 
 
-# Autograd nodes of ops that only copy or select values (the unchecked ops of nanwatch_ops._SAFE that make
+# Autograd nodes of ops that only copy or select values (the unchecked ops of core.ops._SAFE that make
 # a graph): a non-finite value after one of them was already in what it read.
 _COPIES = frozenset("""
 EmbeddingBackward0 EmbeddingDenseBackward0 IndexSelectBackward0 GatherBackward0 IndexBackward0 CloneBackward0
@@ -83,7 +83,7 @@ def copied_from(tensors: Iterable[Any]) -> list[Optional[int]]:
         seen.add(id(node))
         variable = getattr(node, "variable", None)
         if variable is not None:
-            if variable.is_floating_point() and not bool(torch.isfinite(variable.detach()).all()):
+            if variable.is_floating_point() and not ops.finite(variable):
                 keys.append(storage_key(variable))  # (a finite leaf cat with the bad input carried nothing)
         elif node.name() in _COPIES:
             stack += [f for f, _ in node.next_functions]

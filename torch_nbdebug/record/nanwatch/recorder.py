@@ -1,7 +1,7 @@
 """Record where NaN/Inf values are born: forward and backward ops, module outputs, optimizer steps.
 
 A birth is an op whose output is non-finite while all its floating inputs are finite (the rules are
-in :mod:`nanwatch_births`, one pure function for every path). Checks are a NaN/Inf-propagating sum
+in :mod:`core.rules`, one pure function for every path). Checks are a NaN/Inf-propagating sum
 of each output: read at once on the immediate path (CPU), queued on the device and read once per
 training step (when the backward starts) and at the end of the watch on the deferred one (CUDA).
 The recorder wires small components together; each gets a :class:`WatchContext` (options, the event
@@ -12,31 +12,31 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import threading
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
+from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.interrupts import deferred_interrupts
-from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.nanwatch_amp import AmpChecks
-from torch_nbdebug.record.nanwatch_backward import BackwardGate, BackwardWatch
-from torch_nbdebug.record.nanwatch_context import Clock, Mode, WatchOptions
-from torch_nbdebug.record.nanwatch_deferred import DeferredChecks
-from torch_nbdebug.record.nanwatch_events import Place, here
-from torch_nbdebug.record.nanwatch_immediate import ImmediateChecks
-from torch_nbdebug.record.nanwatch_layers import LayerRecorder
-from torch_nbdebug.record.nanwatch_log import EventLog
-from torch_nbdebug.record.nanwatch_mode import OpWatchMode
-from torch_nbdebug.record.nanwatch_modules import HALF_UNWATCHED, ModuleChecks
-from torch_nbdebug.record.nanwatch_optim import LearningRates, OptimizerWatch
-from torch_nbdebug.record.nanwatch_replay import (Replayer, relocate, replay_call, user_line, why_not_replayable,
-                                                  with_forward)
-from torch_nbdebug.record.nanwatch_storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.checks.amp import AmpChecks
+from torch_nbdebug.record.nanwatch.replay.backward import BackwardGate, BackwardWatch
+from torch_nbdebug.record.nanwatch.context import Clock, Mode, WatchOptions, uses_replay
+from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
+from torch_nbdebug.record.nanwatch.core.events import Place, here
+from torch_nbdebug.record.nanwatch.checks.immediate import ImmediateChecks
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
+from torch_nbdebug.record.nanwatch.core.log import EventLog
+from torch_nbdebug.record.nanwatch.checks.mode import OpWatchMode, take_function_mode
+from torch_nbdebug.record.nanwatch.modules.checks import HALF_UNWATCHED, ModuleChecks
+from torch_nbdebug.record.nanwatch.modules.tracker import ThreadTracker, not_traced
+from torch_nbdebug.record.nanwatch.checks.optim import LearningRates, OptimizerWatch
+from torch_nbdebug.record.nanwatch.replay.births import name_backward_births
+from torch_nbdebug.record.nanwatch.replay.forward import Replayer
+from torch_nbdebug.record.nanwatch.core.storage import StorageRegistry
+from torch_nbdebug.record.nanwatch.recording import NanRecording
 
 _get_sequence_nr = compat.next_sequence_nr
 _stack_len = compat.dispatch_stack_len
@@ -54,10 +54,8 @@ class NanRecorder:
                  backward: bool = True, optimizer: bool = True, ignore_inf: bool = False,
                  raise_on_birth: bool = False, defer: Optional[bool] = None, max_events: int = 50,
                  replay: bool = False) -> None:
-        # Replay needs the immediate path (CPU) and no raising at the op (the check comes after the call).
-        replay = replay and mode == "op" and not defer and not raise_on_birth
         self.options = WatchOptions(mode, backward, optimizer, ignore_inf, raise_on_birth, bool(defer), max_events,
-                                    replay)
+                                    uses_replay(replay, mode, bool(defer), raise_on_birth))
         self.namespace = namespace
         self.log = EventLog(max_events, raise_on_birth)
         self.clock = Clock()
@@ -78,7 +76,7 @@ class NanRecorder:
         self._quiet = 0
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
-        self._tracker: Optional[ModuleTracker] = None
+        self._tracker: Optional[ThreadTracker] = None
         self._mode: Optional[OpWatchMode] = None
         self._suspended_mode: Optional[OpWatchMode] = None
         self._model_off = False  # replay: the mode was taken off while a model's forward runs
@@ -86,7 +84,7 @@ class NanRecorder:
         # line, so a backward birth names the module (and the call's line) of its forward op.
         self._moves: list[tuple[int, Optional[str]]] = []
         self._model_place: Optional[Place] = None
-        # replay: the backward runs without the per-op mode (nanwatch_backward); the gate catches its start
+        # replay: the backward runs without the per-op mode (replay.backward); the gate catches its start
         self.backward_watch: Optional[BackwardWatch] = None
         self._gate: Optional[BackwardGate] = None
         self._suspended_gate: Optional[BackwardGate] = None
@@ -97,13 +95,17 @@ class NanRecorder:
                 self.backward_watch = BackwardWatch(self, replayer.note)
                 self.modules.bad_gradient = self.backward_watch.gradient_bad
 
-    # -- what the report reads (besides ``log``, ``layers``, ``options``, ``errors``) ---------------
-    @property
-    def other_thread(self) -> bool:
-        return self.modules.other_thread
-
+    # -- what the report reads ------------------------------------------------------------------
     def saw_torch(self) -> bool:
         return self.ops_seen > 0 or self.layers.seen() or bool(self.optim and self.optim.steps)
+
+    def recording(self) -> NanRecording:
+        """What was recorded so far, as plain data (:meth:`stop` returns it once everything is off)."""
+        log, replayer = self.log, self.modules.replayer
+        return NanRecording(self.options, tuple(log.events), frozenset(log.absorbed), self.layers.rows(set()),
+                            self.ops_seen, self.ops_checked, log.dropped, log.full(), tuple(sorted(log.scaler_skips)),
+                            self.saw_torch(), self.modules.other_thread,
+                            tuple(replayer.notes if replayer is not None else ()) + tuple(self.errors))
 
     # -- lifetime --------------------------------------------------------------------------
     def __enter__(self) -> "NanRecorder":
@@ -128,7 +130,7 @@ class NanRecorder:
         exit_hook = self.modules.exit_kw if replay else self.modules.exit
         self._handles.append(compat.register_global_forward_hook(not_traced(exit_hook), with_kwargs=replay,
                                                                  always_call=replay))
-        self._tracker = _ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
+        self._tracker = ThreadTracker(self.modules, self.namespace, on_enter=self.modules.enter,
                                        outer=self._outer if replay else None,
                                        # (the module of a backward birth in a model: the backward layer replays it)
                                        moved=self.module_moved if self.backward_watch is None else None,
@@ -147,8 +149,9 @@ class NanRecorder:
         if replay:  # before a step changes the weights: name the backward births of the forward just run
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
 
-    def stop(self) -> None:
-        """Remove every hook and mode; read outstanding device flags (errors there are not raised)."""
+    def stop(self) -> NanRecording:
+        """Remove every hook and mode; read outstanding device flags (errors there are not raised); hand
+        over what was recorded."""
         try:
             if self.options.replay and self._mode is not None:  # while the hooks still name the modules
                 with self.log.not_raising():
@@ -158,6 +161,7 @@ class NanRecorder:
         finally:
             self._remove()  # if a Stop came before the block above took effect; else a no-op
             self._finish()
+        return self.recording()
 
     def _remove(self) -> None:
         """Take off the mode and every hook; safe to run twice."""
@@ -171,7 +175,7 @@ class NanRecorder:
                             compat.function_mode_at(compat.function_stack_len() - 1) is gate:
                         gate.__exit__(None, None, None)
                     else:  # the user's own function mode above it (left on by their code): take ours out only
-                        _take_function_mode(gate)
+                        take_function_mode(gate)
             finally:
                 if self._mode is not None:
                     mode, self._mode = self._mode, None
@@ -256,7 +260,7 @@ class NanRecorder:
             except Exception as exc:  # noqa: BLE001 - see OpWatchMode
                 self.internal_error(f"the output of {type(module).__name__}", exc)
 
-    # -- what the backward layer uses (nanwatch_backward) ---------------------------------------
+    # -- what the backward layer uses (replay.backward) ---------------------------------------
     def mode_on_top(self) -> bool:
         mode = self._mode
         return mode is not None and bool(_stack_len()) and _stack_at(_stack_len() - 1) is mode
@@ -275,11 +279,12 @@ class NanRecorder:
         return self._replay_watch(iteration)
 
     @contextlib.contextmanager
-    def isolated(self) -> Iterator[tuple[EventLog, dict[int, Place]]]:
-        """A replay's own event log and forward places (its births are brought over by the caller)."""
+    def isolated(self, carry: bool = True) -> Iterator[tuple[EventLog, dict[int, Place]]]:
+        """A replay's own event log and forward places (its births are brought over by the caller).
+        ``carry``: its rules know whether a birth was reported before (else it starts as a new watch)."""
         saved = (self.log, self._places, self._moves, self._model_place)
-        log, places = EventLog(self.options.max_events, False), {}
-        log.dropped = int(self.log.has_events())  # the rules read "was a birth reported before"
+        log, places = EventLog(self.options.max_events, False), dict[int, Place]()
+        log.dropped = int(carry and self.log.has_events())  # the rules read "was a birth reported before"
         self.log, self._places, self._moves = log, places, []
         try:
             yield log, places
@@ -298,46 +303,8 @@ class NanRecorder:
                 self.backward_watch.forget()  # the weights change: no call before this step replays
 
     def name_backward_births(self) -> None:
-        """Replay: a backward birth of an op run inside a model's forward (no per-op watch there) knows
-        only the module; replay that forward under the per-op watch (same arguments, weights, RNG) to
-        name its forward op and line, as the always-on watch does."""
-        calls = self.modules.model_calls
-        try:
-            events = self.log.events
-            todo = [i for i, e in enumerate(events)
-                    if e.phase == "backward" and e.forward_op is None and e.sequence_nr is not None]
-            for module, call, end, where in calls.calls if todo else []:
-                mine = [i for i in todo if call.seq <= events[i].sequence_nr < end]  # type: ignore[operator]
-                if mine and not why_not_replayable(call, module, self.own_hook_ids()):
-                    places = self._replayed_places(module, call, where)
-                    for i in mine:
-                        place = places.get(events[i].sequence_nr)  # type: ignore[arg-type]
-                        if place is not None:
-                            events[i] = with_forward(events[i], place)
-        except Exception as exc:  # noqa: BLE001 - the module-level answer stands
-            self.internal_error("the replay of a forward", exc)
-        finally:
-            calls.clear()
-
-    def _replayed_places(self, module: torch.nn.Module, call: Any, where: Place) -> dict[int, Place]:
-        """The forward places of a replayed call, by the original call's sequence numbers; the line the
-        replay ran from becomes the line of the original call (``where``)."""
-        log, places = self.log, self._places
-        self.log, self._places = EventLog(self.options.max_events, False), {}  # its births are known already
-        probe, start = user_line(), _get_sequence_nr()
-        try:
-            replay_call(module, call, lambda: self._replay_watch(self.clock.iteration))
-            found, replayed = self._places, self.log
-        finally:
-            self.log, self._places = log, places
-        # Forward births the replay saw thrown away (where/masked_fill) are what the always-on watch
-        # lists as absorbed: the backward birth's hint (the where trap) depends on them.
-        thrown = [replayed.events[i] for i in sorted(replayed.absorbed)]
-        relocate(thrown, 0, probe, where, call.seq - start)
-        for event in thrown:
-            log.add_absorbed(event)
-        return {seq + call.seq - start: place if (place.filename, place.lineno) != probe else
-                where._replace(op=place.op, module=place.module) for seq, place in found.items()}
+        """Replay: name the forward op and line of the backward births of the model calls just run."""
+        name_backward_births(self)
 
     @contextlib.contextmanager
     def _replay_watch(self, iteration: int) -> Iterator[None]:
@@ -406,7 +373,7 @@ class NanRecorder:
             self._grad_handles = [h for h in self._grad_handles if h.hooks_dict_ref() is not None]
 
     def flush(self, extra: Sequence[torch.Tensor] = ()) -> list[list[float]]:
-        """Read what waits on the device — module statistics, deferred checks (see nanwatch_deferred)
+        """Read what waits on the device — module statistics, deferred checks (see checks.deferred)
         and ``extra`` — in one transfer per device (one host synchronisation on CUDA); replay the
         checks in order; return ``extra``'s values."""
         self._quiet += 1
@@ -523,82 +490,3 @@ class NanRecorder:
             for key in list(self._places)[: _NODE_CAP // 2]:
                 del self._places[key]
         self._places[seq] = here(self.module_path(), func)
-
-
-class _ThreadTracker(ModuleTracker):
-    """Module hooks are global: only modules running in the watching thread enter its path stack
-    (another thread's modules, under their own watch or none, would be named in our events)."""
-
-    def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]],
-                 outer: Optional[Callable[[bool], None]] = None, moved: Optional[Callable[[], None]] = None,
-                 ended: Optional[Callable[[torch.nn.Module, Any, Optional[str]], None]] = None, **kw: Any) -> None:
-        super().__init__(namespace, **kw)
-        self._checks = checks
-        self._ended = ended  # replay: the outermost call returned (module, output, its path)
-        self._outer = outer  # replay: told when the outermost module call starts (True) and ends (False)
-        self._moved: Callable[[], None] = moved or (lambda: None)
-
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        # Runs at every module call: ModuleTracker._pre and ModuleChecks.mine inlined.
-        checks = self._checks
-        if threading.get_ident() != checks.thread_id:
-            checks.other_thread = True
-            return
-        stack, outer = self.stack, self._outer
-        if outer is not None and not checks.replaying:
-            if not stack:
-                outer(True)
-            checks.started(args)
-        elif not stack:
-            checks.model_started()
-        path = self.namer.name(module, stack[-1] if stack else None)
-        stack.append(path)
-        if self._on_enter is not None:
-            self._on_enter(path, module)
-        if outer is not None and not checks.replaying:
-            self._moved()
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == self._checks.thread_id:
-            path = self.stack[-1] if self.stack else None
-            super()._post(module, args, output)
-            if self._outer is not None and not self._checks.replaying:
-                self._moved()
-                if not self.stack:
-                    if self._ended is not None:
-                        self._ended(module, output, path)
-                    self._outer(False)
-                    self._checks.forward_over()
-
-
-_untraced_call: Optional[Callable[..., Any]] = None
-
-
-def _call(hook: Callable[..., Any], *args: Any) -> Any:
-    return hook(*args)
-
-
-def not_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` as ``torch.compiler.disable(hook)`` runs it (Dynamo never traces into it), without that
-    call's cost at every watch's start (about a tenth of an empty watch's start and stop): one disabled
-    trampoline, made on first use, calls the watch's own hook. The hook's module is kept, as
-    ``disable``'s wrapper keeps it: another watch's replay knows this package's hooks by it
-    (``compat.global_module_hook_ids``)."""
-    global _untraced_call
-    if _untraced_call is None:
-        _untraced_call = torch.compiler.disable(_call)
-    wrapped = functools.partial(_untraced_call, hook)
-    wrapped.__module__ = getattr(getattr(hook, "__func__", hook), "__module__", None)  # type: ignore[attr-defined]
-    return wrapped
-
-
-def _take_function_mode(mode: Any) -> None:
-    """Take ``mode`` out of the function-mode stack from under modes pushed after it (kept, in order)."""
-    above = []
-    while compat.function_stack_len():
-        top = compat.pop_function_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for top in reversed(above):
-        compat.push_function_mode(top)

@@ -17,7 +17,7 @@ unwatched is then checked:
   the dispatch mode (it is the user's own backward code).
 - **A model's call** (its forward ran without the per-op mode): checked at module granularity and
   replayed, forward and backward, under the per-op watch when a gradient inside went non-finite
-  (:mod:`nanwatch_backward_calls`). A non-finite gradient that a masking node inside zeroes (``relu``,
+  (:mod:`replay.calls`). A non-finite gradient that a masking node inside zeroes (``relu``,
   ``clamp``, ``where``, ``masked_fill``...: ``_ABSORBS``) leaves every gradient the module checks see
   finite; a pre hook on each such node of the calls the backward reaches (found by the same walk, removed
   when it ends) marks the call for its replay.
@@ -44,10 +44,11 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
-from torch_nbdebug.record import nanwatch_ops as ops
-from torch_nbdebug.record.nanwatch_backward_calls import (OWN_TENSOR_HOOKS, CallChecks, finite as _finite,
-                                                          may_hold_birth)
-from torch_nbdebug.record.nanwatch_replay import at_place
+from torch_nbdebug.record.nanwatch.context import ReplayHost
+from torch_nbdebug.record.nanwatch.core import ops
+from torch_nbdebug.record.nanwatch.core.log import EventLog
+from torch_nbdebug.record.nanwatch.replay.calls import OWN_TENSOR_HOOKS, CallChecks, may_hold_birth
+from torch_nbdebug.record.nanwatch.replay.forward import at_place
 
 __all__ = ["BackwardGate", "BackwardWatch", "may_hold_birth"]
 
@@ -136,14 +137,15 @@ class _Accumulation:
     __slots__ = ("watch", "node", "before")
 
     def __init__(self, watch: "BackwardWatch", node: Any) -> None:
-        self.watch, self.node, self.before = watch, node, None
+        self.watch, self.node = watch, node
+        self.before: Optional[torch.Tensor] = None
 
     def pre(self, grad_outputs: Any) -> None:
         try:
             old = getattr(self.node.variable, "grad", None)
             self.before = None
-            if isinstance(old, torch.Tensor) and old.layout == torch.strided and _finite(old) \
-                    and all(_finite(g) for g in grad_outputs):
+            if isinstance(old, torch.Tensor) and old.layout == torch.strided and ops.finite(old) \
+                    and all(ops.finite(g) for g in grad_outputs):
                 with torch.no_grad():
                     self.before = old.clone()
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
@@ -152,7 +154,7 @@ class _Accumulation:
     def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
         before, self.before = self.before, None
         try:
-            if before is not None and not _finite(getattr(self.node.variable, "grad", None)):
+            if before is not None and not ops.finite(getattr(self.node.variable, "grad", None)):
                 self.watch.rerun(lambda: before.add_(grad_outputs[0]), [])
         except NanBirthError:
             raise
@@ -174,7 +176,7 @@ class _Absorber:
         if region.absorbed or not self.watch.unwatched:
             return
         try:
-            if not all(_finite(g) for g in grad_outputs):
+            if not all(ops.finite(g) for g in grad_outputs):
                 region.absorbed = region.active = True
         except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
             self.watch.host.internal_error("a gradient inside a model", exc)
@@ -205,7 +207,7 @@ class BackwardWatch:
     ``modules``, ``immediate``, ``produced``, ``keep_handle``, ``internal_error``, ``quiet``,
     ``mode_on_top``/``mode_on_stack`` and ``push_mode``/``pop_mode`` (and :class:`CallChecks` more)."""
 
-    def __init__(self, host: Any, note: Callable[[str], None]) -> None:
+    def __init__(self, host: ReplayHost, note: Callable[[str], None]) -> None:
         self.host, self._note = host, note
         self.rerun_node: Any = None  # the node being run again: its births are judged by our hook
         self.unwatched = False  # a backward runs without the per-op mode
@@ -259,7 +261,7 @@ class BackwardWatch:
         its forward op cannot be named) is given the call's module and line."""
         __tracebackhide__ = True  # noqa: F841
         log = self.host.log
-        before = len(log.events)
+        before = log.mark()
         spans = [(r.call.seq, r.end, r.path, r.where, self.calls.not_replayable(r, forward=True)) for r in reached
                  if r.call.seq is not None]
         spans = [s for s in spans if s[4]] + [(*d, "") for d in self.calls.dropped]
@@ -272,18 +274,16 @@ class BackwardWatch:
             except Exception as exc:  # noqa: BLE001 - the op-level answer stands
                 self.host.internal_error("the backward of a model", exc)
 
-    def _name_births(self, log: Any, before: int, spans: list[tuple[int, int, str, Any, str]]) -> None:
+    def _name_births(self, log: EventLog, before: int, spans: list[tuple[int, int, str, Any, str]]) -> None:
         """Births of this backward in the model calls ``spans`` (sequence range, path, line, why not replayable)
         whose forward nobody can replay: the call's module (and line) with a note."""
-        events = log.events
-        for i in range(before, len(events)):
-            event = events[i]
+        for i, event in enumerate(log.since(before), before):
             seq = event.sequence_nr
             span = next((s for s in spans if seq is not None and s[0] <= seq < s[1]), None)
             if span is not None and event.phase == "backward" and event.module is None:
                 if span[3] is not None and event.cause != "user_backward":
                     event = at_place(event, span[3])
-                events[i] = dataclasses.replace(event, module=span[2], forward_module=span[2])
+                log.rewrite(i, dataclasses.replace(event, module=span[2], forward_module=span[2]))
                 self._note(UNNAMED.format(module=span[2], why=span[4] or "more model calls than are kept"))
 
     def _ended(self, popped: bool) -> None:
@@ -414,10 +414,10 @@ class BackwardWatch:
             return  # our own rerun, a replay, or a backward the per-op mode watches anyway
         with torch.no_grad():
             made = [g for g in grad_inputs if isinstance(g, torch.Tensor) and ops.checkable(g)]
-            bad = [not _finite(g) for g in made]
+            bad = [not ops.finite(g) for g in made]
             if not any(bad):
                 return
-            came = [g for g in grad_outputs if isinstance(g, torch.Tensor) and not _finite(g)]
+            came = [g for g in grad_outputs if isinstance(g, torch.Tensor) and not ops.finite(g)]
             if not may_hold_birth(bool(came), any(ops.has_nan(g) for g in came),
                                   any(ops.has_nan(g) for g, b in zip(made, bad) if b), host.log.has_events()):
                 return
@@ -435,28 +435,26 @@ class BackwardWatch:
         host = self.host
         if self.rerun_node is not None or host.mode_on_stack():
             return
-        keys: list[int] = []
-        self.rerun_node, host.immediate.rerunning = True, keys  # held births are decided here, not by a hook
+        self.rerun_node = True
         rng = torch.get_rng_state()  # the user's random stream goes on as if nothing ran again
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        host.push_mode()
-        try:
-            made = run()
-        finally:
-            host.pop_mode()
-            self.rerun_node = host.immediate.rerunning = None
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        for key in dict.fromkeys(keys):
-            host.log.node_done(key, bad)
-        if any(bad) and all(_finite(g) for g in (made if isinstance(made, (tuple, list)) else (made,))):
+        with host.log.rerunning(bad):  # a hook added to the running node would not run: held births decided here
+            host.push_mode()
+            try:
+                made = run()
+            finally:
+                host.pop_mode()
+                self.rerun_node = None
+                torch.set_rng_state(rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+        if any(bad) and all(ops.finite(g) for g in (made if isinstance(made, (tuple, list)) else (made,))):
             # Run again, the node made finite gradients: a hook the user put on the node changed them.
             self._note(NODE_HOOK)
         del made
 
     # -- model calls ---------------------------------------------------------------------------
-    # -- model calls (nanwatch_backward_calls) --------------------------------------------------
+    # -- model calls (replay.calls) --------------------------------------------------
     @property
     def regions(self) -> list[Any]:
         return self.calls.regions

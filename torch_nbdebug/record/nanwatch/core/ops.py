@@ -6,13 +6,14 @@ non-finite outputs can only be carried in from an input, and the next checked op
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
 import torch
 
 from torch_nbdebug.data.nanwatch import ROUNDS_TO_ZERO
-from torch_nbdebug.record.compat import op_arguments, tensor_version, tree_leaves
+from torch_nbdebug.record.compat import node_sequence_nr, op_arguments, tensor_version, tree_leaves
 
 VIEW, SKIP, CHECK, ABSORB, LIFT, CAST, SCALER = 0, 1, 2, 3, 4, 5, 6
 
@@ -286,3 +287,35 @@ def any_external(func: Any, args: tuple, produced: Any) -> bool:
 
 def op_name(func: Any) -> str:
     return str(func)
+
+
+_MAX_LEAVES = 16  # float tensors of one module output checked for births
+
+
+def float_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Every checkable float tensor of a module output (tuples, lists, dicts, dataclass fields), capped."""
+    if isinstance(value, torch.Tensor):
+        return [value] if checkable(value) and value.numel() > 0 else []
+    if depth > 4:
+        return []
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (tuple, list)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return []
+    found: list[torch.Tensor] = []
+    for item in items:
+        found += [x for x in float_leaves(item, depth + 1) if all(x is not y for y in found)]
+        if len(found) >= _MAX_LEAVES:
+            return found[:_MAX_LEAVES]
+    return found
+
+
+def made_since(t: torch.Tensor, seq: int) -> bool:
+    """Whether autograd made ``t`` at or after node number ``seq`` (a leaf, or a tensor made without
+    autograd, was not)."""
+    fn = t.grad_fn
+    return fn is not None and node_sequence_nr(fn) >= seq

@@ -1,0 +1,1 @@
+"""Module mode: module outputs and the gradients into them judged by one rule (``rule``)."""
