@@ -236,10 +236,9 @@ def _notes(rec: NanRecording, exc: Optional[BaseException]) -> Iterator[str]:
     if rec.full or rec.dropped:
         yield (f"checking stopped after the first {opts.max_events} births (raise the limit with "
                f"max_events= / --max-events)")
-from torch_nbdebug.record.modules import module_at, module_roots
-from torch_nbdebug.record.nanwatch import NanRecorder, NanRecording, uses_replay
-from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
-                                         running_cell_number, skipped_note)
+    if rec.scaler_skips:
+        steps = ", ".join(str(i - 1) for i in rec.scaler_skips[:10])  # on the one step axis (from 0)
+        yield (f"GradScaler skipped the optimizer step in step(s) {steps} because of inf/NaN gradients "
                "(its normal loss-scale calibration): those backward births are listed as absorbed")
     if rec.other_thread:
         yield ("modules also ran in another thread: nanwatch checks the ops of the thread that runs the "
