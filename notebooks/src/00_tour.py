@@ -269,7 +269,7 @@ with torch_nbdebug.profile() as fast:
         opt.zero_grad()
         F.mse_loss(net(xb), yb).backward()
         opt.step()
-assert slow.verdict == "data" and fast.verdict != "data"
+assert slow.verdict.kind == "data" and fast.verdict.kind != "data"
 fast.compare(slow)
 
 # %% [markdown]
