@@ -41,6 +41,7 @@ from torch_nbdebug.record.grads_stats import (
 )
 from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows, update_squares
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts, no_grad_held
+from torch_nbdebug.record.lifecycle import HookScope, Removable
 
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
@@ -61,8 +62,8 @@ class GradRecorder:
                  activations: bool = False, exact_last: bool = True) -> None:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
-        self._handles: list[Any] = []
-        self._grad_handles: list[Any] = []  # find a backward's end: only until an optimizer steps
+        self._scope = HookScope()
+        self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
         self._pending: list[dict[str, Any]] = []
         self._host: list[dict[str, Any]] = []
         self._act: dict[int, torch.Tensor] = {}
@@ -85,41 +86,28 @@ class GradRecorder:
             layers_of(self.model, self.name, self._enter_order)
         self._sampler = Sampler(self._params, self.sample)
         self._ids = {id(p) for p in self._params}
-        try:
-            with deferred_interrupts():  # a Stop while installing is raised once all is installed...
-                self._install()
-        except BaseException:
-            self.remove()  # ...and then every handle is removed
-            raise
+        self._scope.open(self._install)
         return self
 
-    def _install(self) -> None:
-        add = self._handles.append
+    def _install(self, scope: HookScope) -> None:
         for sub, module in self._live:
-            add(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+            scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
         for li, (_, module) in enumerate(self._live):
             if self.activations:
-                add(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
+                scope.hook(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
         for p in self._params:
             if p.requires_grad:
-                self._grad_handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
-        self._handles += self._grad_handles
-        add(register_optimizer_step_pre_hook(self._pre_step))
-        add(register_optimizer_step_post_hook(self._post_step))
+                self._grad_handles.append(scope.hook(p.register_post_accumulate_grad_hook(self._accumulated)))
+        scope.hook(register_optimizer_step_pre_hook(self._pre_step))
+        scope.hook(register_optimizer_step_post_hook(self._post_step))
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
         self.trace = self.finish()
 
     def remove(self) -> None:
-        try:
-            with deferred_interrupts():  # a Stop here is raised once every handle is removed
-                for handle in self._handles:
-                    handle.remove()
-        finally:
-            for handle in self._handles:  # again if a Stop came before the block took effect (idempotent)
-                handle.remove()
-            self._handles = []
+        """Take off every hook (a Stop meanwhile is raised once all are off); safe to call again."""
+        self._scope.close()
 
     # -- hooks ----------------------------------------------------------------------------
     def _seen(self, sub: str) -> None:

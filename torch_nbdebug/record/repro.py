@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
 from torch_nbdebug.record.compat import (StorageWeakRef, TorchDispatchMode, current_autograd_node,
                                          next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
@@ -95,32 +95,24 @@ class ReproRecorder:
         self._last_seq = -1
         self._tracker = ModuleTracker(namespace)
         self._mode = _Mode(self)
-        self._handles: list[Any] = []
-        self._mode_on = False
+        self._scope = HookScope()
 
     # -- scope ---------------------------------------------------------------------------------
     def __enter__(self) -> "ReproRecorder":
-        try:
-            with deferred_interrupts():  # a Stop now is raised once everything is installed
-                self._install()
-        except BaseException:
-            self._remove()
-            raise
+        self._scope.open(self._install)
         return self
 
-    def _install(self) -> None:
-        self._tracker.__enter__()
-        self._handles = [register_optimizer_step_pre_hook(self._step_pre),
-                         register_optimizer_step_post_hook(self._step_post)]
-        self._mode.__enter__()
-        self._mode_on = True
+    def _install(self, scope: HookScope) -> None:
+        scope.enter(self._tracker)
+        scope.callback(self._end_steps)
+        scope.hook(register_optimizer_step_pre_hook(self._step_pre))
+        scope.hook(register_optimizer_step_post_hook(self._step_post))
+        scope.enter(self._mode)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            with deferred_interrupts():  # a Stop here is raised once the mode and hooks are removed
-                self._remove()
+            self._scope.close()
         finally:
-            self._remove()  # if a Stop came before the block above took effect; else a no-op
             self.flush()
             self._known.clear()
             self._views.clear()
@@ -128,20 +120,7 @@ class ReproRecorder:
             self._uninit.clear()
             self._forward_places.clear()
 
-    def _remove(self) -> None:
-        """Take off the mode and every hook; safe to run twice."""
-        try:
-            if self._mode_on:
-                self._mode_on = False
-                self._mode.__exit__(None, None, None)
-        finally:
-            self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._tracker.remove()
+    def _end_steps(self) -> None:
         self._optimizer_depth = 0
 
     def _step_pre(self, *args: Any) -> None:
