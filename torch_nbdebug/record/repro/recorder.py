@@ -1,7 +1,7 @@
 """One run of a cell under ``%%repro``: every op with the fingerprints of what it read and made.
 
 A ``TorchDispatchMode`` sees each ATen op (forward, backward and optimizer). Outputs are fingerprinted
-(``repro_ops.fingerprint_tensor``: a few reductions, no copies); an input made by an earlier op of the
+(``ops.fingerprint_tensor``: a few reductions, no copies); an input made by an earlier op of the
 same run, unchanged since, is recorded as a reference to that op's output instead of being read
 again. Views read no data and make none, so their outputs are references too (kept under the
 version counter they share with their base, and by what they alias for the copy autograd passes on).
@@ -25,10 +25,10 @@ from torch_nbdebug.record.compat import (StorageWeakRef, TorchDispatchMode, curr
                                          next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
 from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
+from torch_nbdebug.record.repro.ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
                                             scalars_key)
-from torch_nbdebug.record.repro_write import write_out_of_place
+from torch_nbdebug.record.repro.write import write_out_of_place
 from torch_nbdebug.record.source import user_frame
 
 Slot = Any  # ("fp" | "fpd", index, shape, dtype) | ("ref", op, k) | ("mark", text) | None
@@ -49,7 +49,7 @@ class _Mode(TorchDispatchMode):
 class ReproRecorder:
     """Records one run. ``labels`` names state tensors by id; ``before_write`` is called with each
     tensor an op is about to write (copy-on-write snapshots), unless ``movable`` says the op's
-    out-of-place twin may write it and ``move`` gives it the result (see repro_write);
+    out-of-place twin may write it and ``move`` gives it the result (see write.py);
     ``check(traces)`` returns True to stop."""
 
     read_at_once: tuple[str, ...] = ("cpu",)  # devices whose fingerprints are read per op (no sync to wait)
@@ -196,7 +196,7 @@ class ReproRecorder:
     def _write(self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                named: list[tuple[str, torch.Tensor]]) -> Any:
         """Run an op that writes some of its arguments in place, state it writes saved first: moved
-        when its first write can be computed out of place (repro_write), else copied (copy-on-write)."""
+        when its first write can be computed out of place (write.py), else copied (copy-on-write)."""
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         if self._move is not None and self._movable is not None and info.twin is not None and \
                 write_out_of_place(info, args, kwargs, named, self._movable, self._move):
@@ -359,7 +359,7 @@ class ReproRecorder:
         except (TypeError, RuntimeError):  # tensors without a version counter (inference tensors)
             pass
 
-    def _device(self, named: list[tuple[str, torch.Tensor]], out: Any) -> str:
+    def _device(self, named: Sequence[tuple[str, torch.Tensor]], out: Any) -> str:
         t = named[0][1] if named else (out if isinstance(out, torch.Tensor) else None)
         if t is None and isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
             t = out[0]

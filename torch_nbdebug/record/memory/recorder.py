@@ -41,10 +41,10 @@ from torch_nbdebug.record.compat import (
 )
 from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap
 from torch_nbdebug.record.lifecycle import HookScope
-from torch_nbdebug.record.memory_holders import (
+from torch_nbdebug.record.memory.holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import (
+from torch_nbdebug.record.memory.ops import (
     DTYPE_NAMES, builds_graph, dtype_name, input_storage_keys, on_device_test, tensors_in,
 )
 from torch_nbdebug.record.modules import ModuleTracker
@@ -61,6 +61,7 @@ class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers which allocation it stands for."""
 
     __slots__ = ("alloc_id",)
+    alloc_id: int
 
 
 class _Record:

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch_nbdebug.data.explain import CutEvent, InplaceEvent, OpSite, OptimizerStep, Recording
 from torch_nbdebug.record.compat import (function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
                                          pop_function_mode, push_function_mode, tensor_version)
-from torch_nbdebug.record.explain_indices import check_index_arguments
+from torch_nbdebug.record.explain.indices import check_index_arguments
 from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.source import is_user_code, line_of
