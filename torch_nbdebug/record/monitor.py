@@ -26,7 +26,7 @@ import time
 import types
 import weakref
 from collections import ChainMap
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, MutableMapping, Optional, Union, cast
 
 import numpy as np
 import torch
@@ -89,8 +89,8 @@ class _Layers:
         layer_names: list[str] = []
         index: list[int] = []
         for p, (gi, k) in zip(self.params, slots):
-            name = names.get(id(p))  # a parameter of no module in sight is a layer of its own
-            layer = name.rsplit(".", 1)[0] if name else f"{type(opt).__name__}.param_groups[{gi}][{k}]"
+            named = names.get(id(p))  # a parameter of no module in sight is a layer of its own
+            layer = named.rsplit(".", 1)[0] if named else f"{type(opt).__name__}.param_groups[{gi}][{k}]"
             if layer not in layer_names:
                 layer_names.append(layer)
             index.append(layer_names.index(layer))
@@ -238,7 +238,7 @@ class MonitorRecorder:
         present = tuple(i for i, p in enumerate(layers.params) if p.grad is not None)
         if not present:
             return row
-        grads = [layers.params[i].grad for i in present]
+        grads = [g for i in present if (g := layers.params[i].grad) is not None]  # all of them: see present
         weights = [layers.params[i] for i in present]
         dev = grads[0].device
         seg, has = layers.consts(present, dev)
@@ -272,7 +272,8 @@ class MonitorRecorder:
         frame = _step_caller()
         if frame is not None:
             inner = [m for m in (frame_locals(frame), frame.f_globals) if m is not None and m is not glob]
-            local = ChainMap(*inner, local) if inner else local
+            # (ChainMap is typed for mutable maps; it is only read here)
+            local = ChainMap(*inner, cast("MutableMapping[str, Any]", local)) if inner else local
         del frame
         out: list[Any] = []
         for expression, code in zip(self.expressions, self._codes):
