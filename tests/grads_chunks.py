@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 
-from torch_nbdebug.record import grads_steps
+from torch_nbdebug.record.grads import steps as grads_steps
 
 
 def live_chunks(monkeypatch: pytest.MonkeyPatch) -> "list[weakref.ref[grads_steps.Chunk]]":

@@ -15,7 +15,7 @@ from host_syncs import counting_host_syncs, setup, step
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.data.grads import FIELD
 from torch_nbdebug.process.grads import layer_arrays
-from torch_nbdebug.record import grads as rec_mod
+from torch_nbdebug.record.grads import recorder as rec_mod
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from torch import nn
 from host_syncs import counting_host_syncs, plain_syncs, setup, step
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.data.grads import FIELDS
-from torch_nbdebug.record import grads as rec_mod
-from torch_nbdebug.record import grads_steps
+from torch_nbdebug.record.grads import recorder as rec_mod
+from torch_nbdebug.record.grads import steps as grads_steps
 
 
 @pytest.mark.parametrize("steps", [1, 3, 10])

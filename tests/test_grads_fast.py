@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from torch_nbdebug.api.grads import grads, record_gradients
-from torch_nbdebug.record import grads_cpu, grads_stats, grads_steps
+from torch_nbdebug.record.grads import cpu as grads_cpu
+from torch_nbdebug.record.grads import stats as grads_stats
+from torch_nbdebug.record.grads import steps as grads_steps
 
 _GRADIENTS = {
     "normal": lambda: torch.randn(1000),

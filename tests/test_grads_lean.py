@@ -12,7 +12,7 @@ from torch import nn
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.data.grads import FIELD
 from torch_nbdebug.process import grads as process
-from torch_nbdebug.record import grads_steps
+from torch_nbdebug.record.grads import steps as grads_steps
 
 from grads_chunks import live_chunks
 

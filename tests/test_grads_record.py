@@ -13,9 +13,9 @@ from torch import nn
 from torch_nbdebug.api.grads import grads, record_gradients
 from torch_nbdebug.data.grads import FIELD
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.record import grads as rec_mod
-from torch_nbdebug.record import grads_steps
-from torch_nbdebug.record.grads_steps import sample_indices
+from torch_nbdebug.record.grads import recorder as rec_mod
+from torch_nbdebug.record.grads import steps as grads_steps
+from torch_nbdebug.record.grads.steps import sample_indices
 
 from grads_chunks import live_chunks
 

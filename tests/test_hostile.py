@@ -20,8 +20,8 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from torch_nbdebug.api.memory import memory_state, memory_timeline
-from torch_nbdebug.record.memory_holders import find_holders
-from torch_nbdebug.record.memory_ops import measurable, plain_shape, storage_bytes
+from torch_nbdebug.record.memory.holders import find_holders
+from torch_nbdebug.record.memory.ops import measurable, plain_shape, storage_bytes
 from torch_nbdebug.record.modules import module_roots
 from torch_nbdebug.record.source import UserNamespace, inspectable
 

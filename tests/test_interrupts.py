@@ -504,7 +504,8 @@ def traced_import(*args, **kwargs):
 builtins.__import__ = traced_import
 
 def run(cell, lazy=(), trace=None):
-    for name in lazy:  # forget the module, as if never imported (`from pkg import mod` looks at pkg.mod)
+    for name in sorted(lazy, reverse=True):  # forget the module, as if never imported (`from pkg import mod`
+        # looks at pkg.mod); a package's modules before the package itself
         sys.modules.pop(name, None)
         parent, _, child = name.rpartition(".")
         vars(sys.modules[parent]).pop(child, None)

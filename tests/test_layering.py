@@ -11,7 +11,9 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "torch_nbdebug"
 
 
 def _modules(layer: str) -> list[str]:
-    return sorted(f"torch_nbdebug.{layer}.{p.stem}" for p in (PKG / layer).glob("*.py") if p.stem != "__init__")
+    """Every module of the layer, those in its tools' folders (record/grads/...) too."""
+    return sorted(".".join(("torch_nbdebug",) + p.relative_to(PKG).with_suffix("").parts)
+                  for p in (PKG / layer).rglob("*.py") if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("layer", ["record", "data", "process"])

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import torch
 
-import torch_nbdebug.record.memory_cuda as memory_cuda
+import torch_nbdebug.record.memory.cuda as memory_cuda
 from torch_nbdebug.api.memory import memory_timeline, resolve_device
 
 

@@ -20,8 +20,8 @@ from torch_nbdebug import memory_timeline
 from torch_nbdebug.data.memory import Allocation
 from torch_nbdebug.data.source import SourceLine
 from torch_nbdebug.record.compat import op_output_aliases_input
-from torch_nbdebug.record.memory import MemoryRecorder, _AllocationMode
-from torch_nbdebug.record.memory_holders import find_holders
+from torch_nbdebug.record.memory.recorder import MemoryRecorder, _AllocationMode
+from torch_nbdebug.record.memory.holders import find_holders
 from torch_nbdebug.record.tensors import storage_key
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ from torch_nbdebug.data.source import SourceLine
 from torch_nbdebug.process.memory import (
     build_timeline, category_series, cpu_snapshot, decimate, find_leaks, window,
 )
-from torch_nbdebug.record.memory_cuda import recording_from_snapshot
+from torch_nbdebug.record.memory.cuda import recording_from_snapshot
 
 LINE = SourceLine("<cell>", 3, "<module>", "losses.append(loss)")
 

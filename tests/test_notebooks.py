@@ -212,12 +212,12 @@ def test_build_rewrites_machine_paths_in_outputs_and_widget_state() -> None:
     tb = ("File \x1b[0;32m/work/checkout/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1778\x1b[0m\n"
           "File /root/.pyenv/versions/3.11.7/lib/python3.11/contextlib.py:158\n"
           "> /tmp/ipykernel_7336/3428801331.py(9)forward()\n"
-          "/work/checkout/torch_nbdebug/record/explain_indices.py:86 and /home/u/env/lib/python3.12/site-packages/a.py")
+          "/work/checkout/torch_nbdebug/record/explain/indices.py:86 and /home/u/env/lib/python3.12/site-packages/a.py")
     assert build.neutral_paths(tb, repo) == (
         "File \x1b[0;32m.../site-packages/torch/nn/modules/module.py:1778\x1b[0m\n"
         "File .../lib/python3.11/contextlib.py:158\n"
         "> .../ipykernel_7336/3428801331.py(9)forward()\n"
-        "./torch_nbdebug/record/explain_indices.py:86 and .../site-packages/a.py")
+        "./torch_nbdebug/record/explain/indices.py:86 and .../site-packages/a.py")
     png = "iVBORw0KGgo/tmp/ipykernel_1/AAAA"  # base64 images are never rewritten
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=[
         nbformat.v4.new_output("error", ename="E", evalue="in /tmp/ipykernel_9/1.py", traceback=[tb]),

@@ -14,7 +14,7 @@ from torch import nn
 
 from torch_nbdebug.api.repro import repro
 from torch_nbdebug.record.repro import ReproRecorder
-from torch_nbdebug.record.repro_ops import op_info
+from torch_nbdebug.record.repro.ops import op_info
 
 
 def line_of(fn: Any, text: str) -> int:

@@ -75,7 +75,7 @@ def test_the_exceptions_own_traceback_is_left_as_it_is(shell: Any) -> None:
     while tb is not None:
         files.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
         tb = tb.tb_next
-    assert files[-1].endswith("torch_nbdebug/record/explain.py")  # the mode called F.linear
+    assert files[-1].endswith("torch_nbdebug/record/explain/recorder.py")  # the mode called F.linear
     assert "torch_nbdebug/" not in text.replace("\\", "/")
 
 

@@ -8,7 +8,7 @@ exception passes through unchanged. ``explain_exception(exc)`` reads a caught ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 
 from torch_nbdebug.data.explain import Diagnosis as DiagnosisData
@@ -16,9 +16,7 @@ from torch_nbdebug.data.explain import FailureFacts, Operand, Recording
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.explain import diagnose
 from torch_nbdebug.record.compiled import CompiledCode
-from torch_nbdebug.record.explain import ExplainRecorder
-from torch_nbdebug.record.explain_indices import IndexCheckError
-from torch_nbdebug.record.explain_trace import failure_facts
+from torch_nbdebug.record.explain import ExplainRecorder, IndexCheckError, failure_facts
 from torch_nbdebug.record.source import UserNamespace, caller_namespace, cell_number, running_cell_number
 from torch_nbdebug.render.bundle import Displayable
 
@@ -131,7 +129,7 @@ class ExplainScope:
             raise
         return self.result
 
-    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> Literal[False]:
         try:
             try:
                 self._recorder.stop()

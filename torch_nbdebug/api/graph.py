@@ -268,7 +268,7 @@ def mark_nan_birth(data: GraphData, namespace: Optional[Mapping[str, Any]] = Non
 
 def _same_model(report: Any, event: Any, namespace: Optional[Mapping[str, Any]]) -> bool:
     """Whether the birth's module, as this graph's namespace names it, is the module the watch saw."""
-    ref, module = getattr(report, "birth_module", None), getattr(event, "module", None)
+    ref, module = getattr(report, "birth_module", None), getattr(event, "module", "")
     watched = ref() if callable(ref) else None
     return watched is not None and bool(module) and module_at(module_roots(namespace), module) is watched
 

@@ -105,7 +105,7 @@ def memory_state(namespace: Optional[Mapping[str, Any]] = None, *, device: Optio
     ``namespace`` names holders (default: the caller's locals and globals); ``device`` is "cpu" or "cuda"
     (default: CUDA when available).
     """
-    from torch_nbdebug.record.memory_state import capture_state
+    from torch_nbdebug.record.memory import capture_state
 
     if int(top) < 0:
         raise InputError(f"top={top}: pass a count of tensors to list, e.g. top=10")
@@ -158,12 +158,12 @@ class memory_timeline:
 
     def _start(self, recorder_class: Any) -> None:
         if self.device_type == "cuda":
-            from torch_nbdebug.record.memory_cuda import CudaHistory
+            from torch_nbdebug.record.memory import CudaHistory
 
             self._history = CudaHistory()
             self._history.__enter__()
         # The allocator history we turn on records each allocation's Python stack, and the timeline
-        # takes the user's line from it (record/memory_cuda.py): the recorder need not also walk the
+        # takes the user's line from it (record/memory/cuda.py): the recorder need not also walk the
         # stack per allocation. A history the user turned on may have no stacks: then it does.
         walk_lines = self.record_lines and (self._history is None or self._history.was_enabled)
         self._recorder = recorder_class(self.namespace, device_type=self.device_type,
@@ -201,7 +201,7 @@ class memory_timeline:
     def _recording(self, recording: data.MemoryRecording) -> data.MemoryRecording:
         if self._history is None:
             return replace(recording, note=self._note())
-        from torch_nbdebug.record.memory_cuda import recording_from_snapshot
+        from torch_nbdebug.record.memory import recording_from_snapshot
 
         snapshot = self._history.snapshot or {}
         return recording_from_snapshot(snapshot, self.cuda_index, tagged=recording,

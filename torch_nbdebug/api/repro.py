@@ -22,9 +22,7 @@ from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.repro import (explain, find_divergence, first_op, missing_ops, nondeterministic_uses,
                                          preflight, summarize)
 from torch_nbdebug.record.compiled import CompiledCode
-from torch_nbdebug.record.repro import ReproRecorder
-from torch_nbdebug.record.repro_settings import end_state, read_settings
-from torch_nbdebug.record.repro_state import StateSnapshot, is_state, state_in
+from torch_nbdebug.record.repro import ReproRecorder, StateSnapshot, end_state, is_state, read_settings, state_in
 from torch_nbdebug.record.source import UserNamespace, frame_locals, line_of, skipped_note
 from torch_nbdebug.render.bundle import Displayable
 

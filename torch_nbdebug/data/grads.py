@@ -252,7 +252,11 @@ class GradTrace:
 
 
 def _nan_to_none(a: np.ndarray) -> Any:
-    return np.where(np.isnan(a), None, a).tolist() if a.size else a.tolist()
+    if not a.size:
+        return a.tolist()
+    out = a.astype(object)
+    out[np.isnan(a)] = None
+    return out.tolist()
 
 
 def _array(values: Sequence[Any], shape: tuple[int, ...]) -> np.ndarray:

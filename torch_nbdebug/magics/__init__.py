@@ -8,7 +8,7 @@ from torch_nbdebug.record.interrupts import deferred_interrupts
 
 # One module per feature; each defines ``MAGICS``, an IPython ``Magics`` subclass, and may define
 # ``load(ip)``/``unload(ip)`` for what it installs beyond magics (explain's exception hook).
-_FEATURES = ("nanwatch", "graph", "grads", "memory", "explain", "repro")
+_FEATURES: tuple[str, ...] = ("nanwatch", "graph", "grads", "memory", "explain", "repro")
 _FEATURES += ("monitor", "profile")
 
 

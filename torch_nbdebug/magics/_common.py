@@ -9,6 +9,7 @@ import types
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from IPython.core.error import UsageError
+from IPython.core.magic import Magics
 from IPython.core.magic_arguments import parse_argstring
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -18,6 +19,18 @@ from torch_nbdebug.record.source import running_cell_number
 from torch_nbdebug.render.live import LiveDisplay, Progress
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ToolMagics(Magics):
+    """The magics of one tool: ``Magics`` with the user's namespace typed (IPython's ``shell`` is
+    ``Optional``; a magic registered by ``%load_ext`` always has one)."""
+
+    @property
+    def user_ns(self) -> dict[str, Any]:
+        if self.shell is None:
+            raise UsageError("these magics are not registered with an IPython shell: run %load_ext torch_nbdebug")
+        namespace: dict[str, Any] = self.shell.user_ns
+        return namespace
 
 
 def parse_args(func: Callable[..., Any], line: str) -> Any:

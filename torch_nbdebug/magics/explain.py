@@ -5,13 +5,13 @@ import sys
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.explain import Diagnosis, explain, explain_exception
 from torch_nbdebug.magics import explain_hook
-from torch_nbdebug.magics._common import parse_args, require_body, run_body
+from torch_nbdebug.magics._common import ToolMagics, parse_args, require_body, run_body
 
 
 # (id of the exception, its diagnosis) of the last %%explain run that failed: %explain shows that one
@@ -19,7 +19,7 @@ _recorded: tuple[int, Optional[Diagnosis]] = (0, None)
 
 
 @magics_class
-class ExplainMagics(Magics):
+class ExplainMagics(ToolMagics):
     @magic_arguments()
     @argument("--check-indices", action="store_true",
               help="check index arguments (embedding ids, class targets, gather/index_select indices) before "
@@ -54,14 +54,14 @@ class ExplainMagics(Magics):
                                  "on the first line of the cell that failed")
             return self._post_mortem(args)
         body = require_body(cell, "explain")
-        scope = explain(check_indices=args.check_indices, namespace=self.shell.user_ns)
+        scope = explain(check_indices=args.check_indices, namespace=self.user_ns)
         try:
             with scope:
                 value = run_body(self.shell, body)
         except Exception as exc:
             self._show_failure(exc, scope.result.diagnosis, args.quiet)
             raise
-        self.shell.user_ns["_explain"] = None
+        self.user_ns["_explain"] = None
         if scope.result.note and not args.quiet:
             print(f"%%explain: {scope.result.note}")
         if value is not None:
@@ -70,7 +70,7 @@ class ExplainMagics(Magics):
 
     def _show_failure(self, exc: BaseException, diagnosis: Optional[Diagnosis], quiet: bool) -> None:
         global _recorded
-        self.shell.user_ns["_explain"] = diagnosis
+        self.user_ns["_explain"] = diagnosis
         _recorded = (id(exc), diagnosis)
         shown = None if quiet else diagnosis
         if explain_hook.active(self.shell) is not None:
@@ -86,8 +86,8 @@ class ExplainMagics(Magics):
         if _recorded[0] == id(exc) and _recorded[1] is not None:
             diagnosis: Optional[Diagnosis] = _recorded[1]  # a %%explain run recorded it: keep the culprit
         else:
-            diagnosis = explain_exception(exc, namespace=self.shell.user_ns)
-        self.shell.user_ns["_explain"] = diagnosis
+            diagnosis = explain_exception(exc, namespace=self.user_ns)
+        self.user_ns["_explain"] = diagnosis
         if diagnosis is None:
             print(f"%explain: the last exception ({type(exc).__name__}) is not a PyTorch error; nothing to add")
             return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from torch import nn
@@ -12,13 +12,13 @@ from torch import nn
 from torch_nbdebug.api.grads import grads as grads_snapshot
 from torch_nbdebug.api.grads import record_gradients
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, evaluate, live_view, parse_args, require_body, tensorboard_dir,
-                                           usage_errors, write_tensorboard)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, evaluate, live_view, parse_args, require_body,
+                                          tensorboard_dir, usage_errors, write_tensorboard)
 from torch_nbdebug.magics._live import GradsProgress
 
 
 @magics_class
-class GradsMagics(Magics):
+class GradsMagics(ToolMagics):
     """The gradient stepper: per-layer gradient statistics, flags and histograms."""
 
     @magic_arguments()
@@ -51,14 +51,14 @@ class GradsMagics(Magics):
         logdir = tensorboard_dir(args.tensorboard, "%grads")
         if cell is None:
             try:
-                result = grads_snapshot(model, namespace=self.shell.user_ns, layer=layer, bins=args.bins)
+                result = grads_snapshot(model, namespace=self.user_ns, layer=layer, bins=args.bins)
             except InputError as exc:
                 raise usage_errors(exc) from None
             write_tensorboard(result, logdir)
             return _show(result, args.output)
         body = CellBody(self.shell, require_body(cell, "grads"), "grads")  # bad cells fail before recording
         try:
-            recording = record_gradients(model, namespace=self.shell.user_ns, layer=layer, bins=args.bins,
+            recording = record_gradients(model, namespace=self.user_ns, layer=layer, bins=args.bins,
                                          sample=args.sample, activations=args.activations)
         except InputError as exc:
             raise usage_errors(exc) from None

@@ -6,19 +6,19 @@ from typing import Any, Optional
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from torch import nn
 
 from torch_nbdebug.api.graph import GraphExplorer, check_max_nodes, graph as graph_api, record_graph
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, evaluate, parse_args, require_body, usage_errors
+from torch_nbdebug.magics._common import CellBody, ToolMagics, evaluate, parse_args, require_body, usage_errors
 from torch_nbdebug.record.graph import DEFAULT_MAX_NODES
 
 
 @magics_class
-class GraphMagics(Magics):
+class GraphMagics(ToolMagics):
     @magic_arguments()
     @argument("-o", "--output", action="store_true",
               help="return the explorer instead of displaying it (g = %%graph -o loss; g.data is the plain graph)")
@@ -61,7 +61,7 @@ class GraphMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         if not expression.strip():
             raise UsageError("%graph needs a tensor expression (%graph loss) or a model and --input")
-        ns = self.shell.user_ns
+        ns = self.user_ns
         if args.input:
             model = evaluate(self.shell, expression, "%graph")
             if not issubclass(type(model), nn.Module):
@@ -86,7 +86,7 @@ class GraphMagics(Magics):
     def _cell(self, cell: str, args: Any, expand: Any) -> GraphExplorer:
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         body = CellBody(self.shell, cell, "graph")  # a bad cell is a UsageError before recording
-        rec = record_graph(names=self.shell.user_ns)
+        rec = record_graph(names=self.user_ns)
         try:
             with rec:
                 value = body.run()  # the user's exception propagates unchanged
@@ -94,7 +94,7 @@ class GraphMagics(Magics):
             _show_partial(rec, args, expand)  # an error or Stop: show what ran, like the other magics
             raise
         if not _has_graph(value):  # a cell that only assigns (``loss = net(x).sum()``): its last graph tensor
-            value = _last_assigned_graph(cell, self.shell.user_ns)
+            value = _last_assigned_graph(cell, self.user_ns)
         if value is not None:
             return rec.graph(value, saved=args.saved, expand=expand, max_nodes=args.max_nodes)
         return rec.graph(saved=args.saved, expand=expand, max_nodes=args.max_nodes)

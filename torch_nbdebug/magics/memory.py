@@ -4,17 +4,17 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, live_view, parse_args, tensorboard_dir, write_tensorboard
+from torch_nbdebug.magics._common import CellBody, ToolMagics, live_view, parse_args, tensorboard_dir, write_tensorboard
 from torch_nbdebug.magics._live import MemoryProgress
 
 
 @magics_class
-class MemoryMagics(Magics):
+class MemoryMagics(ToolMagics):
     @magic_arguments()
     @argument("-o", "--output", action="store_true",
               help="return the MemoryState / MemoryTimeline object (like %%timeit -o)")
@@ -45,11 +45,11 @@ class MemoryMagics(Magics):
             if cell is None or not cell.strip():
                 if args.export or args.tensorboard:
                     raise UsageError("--export and --tensorboard need a cell to record: use them on %%cudamem, e.g. %%cudamem --tensorboard runs")
-                result = memory_state(self.shell.user_ns, device=args.device, top=args.top)
+                result = memory_state(self.user_ns, device=args.device, top=args.top)
                 return result if args.output else display(result)
             logdir = tensorboard_dir(args.tensorboard, "%%cudamem")
             body = CellBody(self.shell, cell, "cudamem")  # a bad cell is a UsageError before recording
-            scope = memory_timeline(self.shell.user_ns, device=args.device, top=args.top,
+            scope = memory_timeline(self.user_ns, device=args.device, top=args.top,
                                     record_lines=not args.no_lines)
         except InputError as exc:
             raise UsageError(str(exc)) from None

@@ -6,14 +6,14 @@ import re
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.monitor import Monitor, Rules, monitor
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, keep_report, parse_args, require_body, show_last, unquote,
-                                           usage_errors)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, require_body, show_last,
+                                          unquote, usage_errors)
 from torch_nbdebug.render.live import LiveDisplay
 
 # Options that take a value, and flags: the expressions after them are kept as written (quotes
@@ -26,7 +26,7 @@ _OPTION_LATE = re.compile(r"(?:^|\s)(" + "|".join(re.escape(o) for o in _VALUED 
 
 
 @magics_class
-class MonitorMagics(Magics):
+class MonitorMagics(ToolMagics):
     @magic_arguments()
     @argument("expressions", nargs="*",
               help="what to watch, comma-separated Python expressions: loss, opt.param_groups[0]['lr'] "
@@ -76,13 +76,13 @@ class MonitorMagics(Magics):
                 raise UsageError(f"%monitor on its own line shows the last run again (-o returns it) and takes no "
                                  f"expressions ({rest.strip()!r}): put %%monitor {rest.strip()} (two %) on the first "
                                  f"line of the cell that trains")
-            return show_last(self.shell.user_ns.get("_monitor"), args, "monitor", "watch a training loop", display)
+            return show_last(self.user_ns.get("_monitor"), args, "monitor", "watch a training loop", display)
         expressions = split_expressions(rest)
         body = CellBody(self.shell, require_body(cell, "monitor"), "monitor")  # bad cells fail before recording
         try:
             rules = Rules(spike_factor=args.spike, spike_window=args.spike_window, plateau_window=args.plateau,
                           plateau_tol=args.plateau_tol, vanishing=args.vanishing, exploding=args.exploding)
-            mon = monitor(*expressions, every=args.every, namespace=self.shell.user_ns, rules=rules,
+            mon = monitor(*expressions, every=args.every, namespace=self.user_ns, rules=rules,
                           layers=not args.no_layers, ratio=not args.no_ratio, tensorboard=unquote(args.tensorboard))
         except (InputError, ImportError) as exc:
             raise UsageError(str(exc)) if isinstance(exc, ImportError) else usage_errors(exc) from None

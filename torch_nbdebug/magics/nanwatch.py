@@ -4,19 +4,19 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, keep_report, live_view, parse_args, require_body, run_body,
-                                          show_last, tensorboard_dir, usage_errors, write_tensorboard)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, live_view, parse_args, require_body,
+                                          run_body, show_last, tensorboard_dir, usage_errors, write_tensorboard)
 from torch_nbdebug.magics._live import NanwatchProgress
 
 
 @magics_class
-class NanwatchMagics(Magics):
+class NanwatchMagics(ToolMagics):
     @magic_arguments()
     @argument("--mode", choices=("op", "module"), default="op",
               help="op (default): check every op that can create NaN/Inf and name it; "
@@ -59,7 +59,7 @@ class NanwatchMagics(Magics):
         try:
             watch = nanwatch(mode=args.mode, backward=not args.no_backward, optimizer=not args.no_optimizer,
                              ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth,
-                             namespace=self.shell.user_ns, max_events=args.max_events,
+                             namespace=self.user_ns, max_events=args.max_events,
                              replay=False if args.no_replay else None)
         except InputError as exc:
             raise usage_errors(exc) from None
@@ -92,7 +92,7 @@ class NanwatchMagics(Magics):
             report = load(args.load)
         except (OSError, ValueError) as exc:
             raise UsageError(f"%nanwatch --load: {exc}") from None
-        self.shell.user_ns["_nanwatch"] = report
+        self.user_ns["_nanwatch"] = report
         if not args.quiet:
             display(report)
         return report if args.return_report else None

@@ -4,18 +4,18 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Optional
 
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.repro import ReproReport, last_report, run_twice
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, keep_report, parse_args, require_body, run_body, show_last,
-                                          usage_errors)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, require_body, run_body,
+                                          show_last, usage_errors)
 
 
 @magics_class
-class ReproMagics(Magics):
+class ReproMagics(ToolMagics):
     @magic_arguments()
     @argument("--no-restore-rng", action="store_true",
               help="do not restore the random generators before the second run (find unseeded randomness)")
@@ -51,7 +51,7 @@ class ReproMagics(Magics):
         report: Optional[ReproReport] = None
         try:
             report, value = run_twice(partial(run_body, self.shell, body), restore_rng=not args.no_restore_rng,
-                                      namespace=self.shell.user_ns)
+                                      namespace=self.user_ns)
             failed = False
         except InputError as exc:
             raise usage_errors(exc) from None

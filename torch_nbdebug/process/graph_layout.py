@@ -212,9 +212,9 @@ def _place(members: list[str], edges: list[tuple[str, str]], dims: dict[str, tup
     heights = [dims[m][1] for m in members]
     lanes = _add_dummies(succ, rank, widths, heights)
     pred: list[list[int]] = [[] for _ in widths]
-    for a, bs in enumerate(succ):
-        for b in bs:
-            pred[b].append(a)
+    for i, after in enumerate(succ):
+        for j in after:
+            pred[j].append(i)
     layers: list[list[int]] = [[] for _ in range(max(rank) + 1)]
     for i in range(len(widths)):  # items come in forward order: a good first ordering
         layers[rank[i]].append(i)

@@ -92,7 +92,7 @@ def alive_at(allocations: Sequence[Allocation], sample: int, top: Optional[int] 
 def category_totals(allocations: Sequence[Allocation], by_category: np.ndarray,
                     peak_step: int) -> dict[str, dict[str, int]]:
     """Per category: bytes at start, at the peak, the maximum, at the end, and allocated in total."""
-    allocated = Counter()
+    allocated: Counter[str] = Counter()
     for a in allocations:
         if a.start >= 0:
             allocated[a.category] += a.nbytes

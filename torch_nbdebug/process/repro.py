@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from torch_nbdebug.data.repro import (Cause, Divergence, Fingerprint, NondeterministicUse, OpPlace, OpTrace,
-                                      PreflightItem, ReproOp, ReproSummary, Settings, diff_size, nondeterministic_on)
+                                      PreflightItem, ReproOp, ReproSummary, Settings, Status, diff_size,
+                                      nondeterministic_on)
 
 
 def same_slot(a: Any, b: Any) -> bool:
@@ -144,7 +145,7 @@ def hint(cause: Optional[Cause], first: Optional[ReproOp], restore_rng: bool, de
 def preflight(settings: Settings) -> tuple[PreflightItem, ...]:
     """The settings that decide whether a run can repeat, each with its status and advice."""
     cuda = settings.cuda_used
-    gpu_status = "warn" if cuda else "info"
+    gpu_status: Status = "warn" if cuda else "info"
     items = [
         PreflightItem("torch.use_deterministic_algorithms", "on" + (" (warn only)" if settings.deterministic_warn_only
                                                                    else "") if settings.deterministic else "off",

@@ -17,7 +17,7 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Collection, Iterable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -391,7 +391,7 @@ class _HookWarningFilter:
                 if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == self.MESSAGE
                            for f in warnings.filters):  # (the user's own, same filter: left where it is)
                     warnings.filterwarnings("ignore", message=self.MESSAGE, category=UserWarning)
-                    self._entry, self._where = warnings.filters[0], warnings.filters
+                    self._entry, self._where = warnings.filters[0], cast("list[Any]", warnings.filters)  # a list (typed Sequence)
             self._users += 1
 
     def release(self) -> None:
@@ -402,11 +402,11 @@ class _HookWarningFilter:
             entry, self._entry = self._entry, None
             # From the list it went into, and from the current one (a catch_warnings block entered in the
             # watch swaps the list, and puts the one we added to back when it ends).
-            for filters in (self._where, warnings.filters):
+            for filters in (self._where, cast("list[Any]", warnings.filters)):
                 if any(f is entry for f in filters):
                     filters.remove(entry)
             self._where = []
-            warnings._filters_mutated()  # type: ignore[attr-defined]  (its cache of seen warnings)
+            warnings._filters_mutated()  # type: ignore[attr-defined]  # (its cache of seen warnings)
 
 
 global_hook_warning = _HookWarningFilter()
@@ -583,7 +583,7 @@ def autocast_state() -> tuple[tuple[str, Any], ...]:
     state = []
     for device in _AUTOCAST_DEVICES:
         try:
-            on, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)  # type: ignore[call-arg]
+            on, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
         except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch < 2.4
             on = torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
             dtype = torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
@@ -610,7 +610,7 @@ def failed_call_kwargs(module: torch.nn.Module) -> Optional[dict]:
     ``Module._call_impl``'s frame: torch calls ``always_call`` forward hooks with ``(module, args,
     None)`` only on that path, even when they were registered ``with_kwargs``. None when not found."""
     code = getattr(torch.nn.Module._call_impl, "__code__", None)
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code and frame.f_locals.get("self") is module:
             kwargs = frame.f_locals.get("kwargs")
@@ -623,7 +623,7 @@ def autocast_off() -> bool:
     """True when autocast is on for no device: :func:`autocast_state` is then ``()`` (two flag reads
     instead of four calls; nanwatch asks at every module call)."""
     try:
-        return not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))  # type: ignore[call-arg]
+        return not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
     except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch < 2.4
         return not autocast_state()
 

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.graph import NO_SEQUENCE, children_of, module_types, node_name
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker, module_roots
 
 # The last recording's module map, so ``%graph loss`` in a later cell still knows the modules.
@@ -67,43 +67,29 @@ class GraphRecorder:
         self.top_outputs: list[weakref.ref[torch.Tensor]] = []  # top-level module outputs, never kept alive
         self.tracker = ModuleTracker(namespace, on_enter=self._enter, on_exit=self._exit)
         self._mode = _Stamp(self)
-        self._mode_on = False
+        self._scope = HookScope()
         self._start = NO_SEQUENCE
         self._thread = threading.get_ident()
 
     def __enter__(self) -> "GraphRecorder":
         self._start = next_sequence_nr()
         self.types = module_types(module_roots(self.namespace))
-        try:
-            with deferred_interrupts():  # a Stop between the steps is raised once both are done...
-                self.tracker.__enter__()
-                self._mode.__enter__()
-                self._mode_on = True
-        except BaseException:
-            with deferred_interrupts():  # ...and then both are undone
-                self._remove()
-            raise
+        self._scope.open(self._install)
         return self
+
+    def _install(self, scope: HookScope) -> None:
+        scope.enter(self.tracker)
+        scope.enter(self._mode)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            with deferred_interrupts():  # a Stop here is raised once the mode and the hooks are removed
-                self._remove(*exc)
+            self._scope.close(*exc)
         finally:
-            self._remove(*exc)  # if a Stop came before the block above took effect; else a no-op
             self.namespace = None  # a function's locals snapshot must not outlive the recording
             if self.modules:  # a recording that made no node keeps the previous one useful
                 with _LAST_LOCK:
                     _LAST["modules"] = dict(self.modules)
                     _LAST["types"] = dict(self.types)
-
-    def _remove(self, *exc: Any) -> None:
-        try:
-            if self._mode_on:
-                self._mode_on = False
-                self._mode.__exit__(*(exc or (None, None, None)))
-        finally:
-            self.tracker.remove()
 
     def outputs(self) -> list[torch.Tensor]:
         """The still-alive outputs of the top-level modules called while recording, with a grad_fn."""

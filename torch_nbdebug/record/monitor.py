@@ -26,7 +26,7 @@ import time
 import types
 import weakref
 from collections import ChainMap
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, MutableMapping, Optional, Union, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.monitor import MonitorHistory, Status
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.interrupts import deferred_interrupts, no_grad_held
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import module_roots, parameter_names
 from torch_nbdebug.record.source import UserNamespace, frame_locals, skipped_note
 
@@ -88,8 +89,8 @@ class _Layers:
         layer_names: list[str] = []
         index: list[int] = []
         for p, (gi, k) in zip(self.params, slots):
-            name = names.get(id(p))  # a parameter of no module in sight is a layer of its own
-            layer = name.rsplit(".", 1)[0] if name else f"{type(opt).__name__}.param_groups[{gi}][{k}]"
+            named = names.get(id(p))  # a parameter of no module in sight is a layer of its own
+            layer = named.rsplit(".", 1)[0] if named else f"{type(opt).__name__}.param_groups[{gi}][{k}]"
             if layer not in layer_names:
                 layer_names.append(layer)
             index.append(layer_names.index(layer))
@@ -149,7 +150,7 @@ class MonitorRecorder:
         self.expressions, self._codes, self._scope = expressions, codes, scope
         self.every, self.layers_on, self.ratio_on = every, layers, ratio
         self.on_step = on_step  # called after each recorded step (the live view's rate-limited tick)
-        self._handles: list[Any] = []
+        self._hooks = HookScope()
         self._clock: Optional[weakref.ref[Any]] = None
         self._others: dict[str, None] = {}
         self._layers: Optional[_Layers] = None
@@ -166,27 +167,21 @@ class MonitorRecorder:
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "MonitorRecorder":
         self._t0 = time.monotonic()
-        try:
-            with deferred_interrupts():  # a Stop while installing is raised once both are installed...
-                self._handles.append(register_optimizer_step_pre_hook(self._pre_hook))
-                self._handles.append(register_optimizer_step_post_hook(self._post_hook))
-        except BaseException:
-            self.remove()  # ...and then both are removed
-            raise
+        self._hooks.open(self._install)
         return self
+
+    def _install(self, scope: HookScope) -> None:
+        scope.hook(register_optimizer_step_pre_hook(self._pre_hook))
+        scope.hook(register_optimizer_step_post_hook(self._post_hook))
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
     def remove(self) -> None:
+        """Take off both hooks (a Stop meanwhile is raised once both are off); safe to call again."""
         try:
-            with deferred_interrupts():  # a Stop here is raised once every handle is removed
-                for handle in self._handles:
-                    handle.remove()
+            self._hooks.close()
         finally:
-            for handle in self._handles:  # idempotent: again if a Stop came before the block took effect
-                handle.remove()
-            self._handles = []
             self._row = None  # the parameter copy of an interrupted step
 
     def _fail(self, exc: BaseException) -> None:
@@ -243,7 +238,7 @@ class MonitorRecorder:
         present = tuple(i for i, p in enumerate(layers.params) if p.grad is not None)
         if not present:
             return row
-        grads = [layers.params[i].grad for i in present]
+        grads = [g for i in present if (g := layers.params[i].grad) is not None]  # all of them: see present
         weights = [layers.params[i] for i in present]
         dev = grads[0].device
         seg, has = layers.consts(present, dev)
@@ -277,7 +272,8 @@ class MonitorRecorder:
         frame = _step_caller()
         if frame is not None:
             inner = [m for m in (frame_locals(frame), frame.f_globals) if m is not None and m is not glob]
-            local = ChainMap(*inner, local) if inner else local
+            # (ChainMap is typed for mutable maps; it is only read here)
+            local = ChainMap(*inner, cast("MutableMapping[str, Any]", local)) if inner else local
         del frame
         out: list[Any] = []
         for expression, code in zip(self.expressions, self._codes):

@@ -58,7 +58,7 @@ def is_user_file(filename: str) -> bool:
 
 def user_frame(start: Optional[types.FrameType] = None) -> Optional[types.FrameType]:
     """The innermost frame of user code at or above ``start`` (default: the caller)."""
-    frame = start if start is not None else sys._getframe(1)
+    frame: Optional[types.FrameType] = start if start is not None else sys._getframe(1)
     while frame is not None:
         if is_user_code(frame.f_code):
             return frame
@@ -115,7 +115,7 @@ def running_cell_number(start: Optional[types.FrameType] = None) -> Optional[int
     numbers = getattr(getattr(_shell(), "compile", None), "_filename_map", None)
     if not isinstance(numbers, dict):
         return None
-    frame = start if start is not None else sys._getframe(1)
+    frame: Optional[types.FrameType] = start if start is not None else sys._getframe(1)
     while frame is not None:
         number = numbers.get(frame.f_code.co_filename)
         if isinstance(number, int) and number > 0:
@@ -176,7 +176,7 @@ class UserNamespace(Mapping[str, Any]):
             return [self._frame.f_globals] if local is None else [local, self._frame.f_globals]
         return [self._mapping] if self._mapping is not None else []
 
-    def items(self) -> Any:  # type: ignore[override] - a list: one read of the frame per scan
+    def items(self) -> Any:  # a list: one read of the frame per scan
         merged: dict[str, Any] = {}
         for layer in reversed(self._layers()):
             try:
@@ -187,10 +187,10 @@ class UserNamespace(Mapping[str, Any]):
             merged.update(pairs)
         return [(k, v) for k, v in merged.items() if self._readable(k, v)]
 
-    def values(self) -> Any:  # type: ignore[override]
+    def values(self) -> Any:
         return [v for _, v in self.items()]
 
-    def keys(self) -> Any:  # type: ignore[override]
+    def keys(self) -> Any:
         return [k for k, _ in self.items()]
 
     def __iter__(self) -> Iterator[str]:

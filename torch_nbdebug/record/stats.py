@@ -1,10 +1,20 @@
 """Compute :class:`TensorStats` from a live tensor, safely for every kind of tensor."""
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from torch_nbdebug.data.stats import TensorStats
 from torch_nbdebug.record import compat
+
+class _Described(TypedDict):
+    """What every :class:`TensorStats` says, whatever the tensor holds."""
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+
 
 _SKIP_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -15,7 +25,7 @@ def summarize(t: torch.Tensor) -> TensorStats:
     Runs under ``no_grad`` and on a detached view, so it adds nothing to the user's graph.
     """
     shape = tuple(int(s) for s in t.shape)
-    base = dict(shape=shape, dtype=str(t.dtype).replace("torch.", ""), device=str(t.device), numel=t.numel())
+    base = _Described(shape=shape, dtype=str(t.dtype).replace("torch.", ""), device=str(t.device), numel=t.numel())
     if t.layout in _SKIP_LAYOUTS:
         return TensorStats(**base, note="sparse")
     if t.device.type == "meta" or _is_fake(t):
@@ -35,7 +45,7 @@ def summarize(t: torch.Tensor) -> TensorStats:
         return _float_stats(x, base)
 
 
-def _float_stats(x: torch.Tensor, base: dict) -> TensorStats:
+def _float_stats(x: torch.Tensor, base: _Described) -> TensorStats:
     # Work in float32 at least: half types overflow when summed.
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     nan_mask = torch.isnan(xf)

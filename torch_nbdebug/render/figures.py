@@ -33,17 +33,20 @@ import gc
 import io
 import threading
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from torch_nbdebug.render.html import esc
 
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
 __all__ = ["DPI", "STYLE", "png", "picture", "img_tag", "warm_up", "MUTED", "GRID", "TEXT"]
 
 DPI = 100
 TEXT, MUTED, GRID = "#1f2328", "#57606a", "#d8dee4"
-STYLE: dict[str, Any] = {
+STYLE: dict[RcKeyType, Any] = {
     "font.family": "DejaVu Sans",  # ships with matplotlib: the same glyphs on every machine
     "font.size": 9.0,
     "axes.edgecolor": MUTED, "axes.labelcolor": MUTED, "axes.linewidth": 0.8,

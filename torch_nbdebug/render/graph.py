@@ -136,14 +136,14 @@ def _curve(points: tuple[tuple[float, float], ...]) -> tuple[list[tuple[float, f
     """The same smooth route as the SVG's ``_path_d``, as matplotlib path vertices and codes."""
     from matplotlib.path import Path
 
-    verts, codes = [points[0]], [Path.MOVETO]
+    verts, codes = [points[0]], [int(Path.MOVETO)]
     last = len(points) - 1
     for k in range(1, len(points)):
         (x1, y1), (x2, y2) = points[k - 1], points[k]
         y2 = y2 - 6 if k == last else y2  # room for the arrow head
         bend = max(8.0, abs(y2 - y1) / 2)
         verts += [(x1, y1 + bend), (x2, y2 - bend), (x2, y2)]
-        codes += [Path.CURVE4] * 3
+        codes += [int(Path.CURVE4)] * 3
     return verts, codes
 
 
@@ -446,7 +446,7 @@ class GraphWidget(View):
     summary = traitlets.Unicode("").tag(sync=True)
     notes = traitlets.List(traitlets.Unicode()).tag(sync=True)
     details = traitlets.Dict().tag(sync=True)
-    matches = traitlets.List().tag(sync=True)
+    matches: traitlets.List[Any] = traitlets.List().tag(sync=True)
     selected = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, explorer: GraphExplorer) -> None:

@@ -142,7 +142,7 @@ class LiveView(View):
     elapsed = traitlets.Float(0.0).tag(sync=True)  # seconds at the last update; the browser ticks on
     status = traitlets.Unicode("").tag(sync=True)
     alert = traitlets.Bool(False).tag(sync=True)
-    panels = traitlets.List().tag(sync=True)
+    panels: traitlets.List[Any] = traitlets.List().tag(sync=True)
     updates = traitlets.Int(0).tag(sync=True)       # how many updates were pushed (tests, debugging)
 
 
@@ -212,7 +212,7 @@ class LiveDisplay:
 
     def show(self, obj: Any) -> None:
         """Show the final view: in place of the live one when there is one, else with ``fallback``."""
-        if not self._shown or self._replaced:
+        if not self._shown or self._replaced or self.shell is None:
             self._fallback(obj)
             return
         data, metadata = self.shell.display_formatter.format(obj)
@@ -251,5 +251,7 @@ class LiveDisplay:
         self.close()
 
     def _publish(self, data: dict[str, Any], metadata: Optional[dict[str, Any]] = None, *, update: bool) -> None:
+        if self.shell is None:  # not live: nothing is shown, nothing to update
+            return
         self.shell.display_pub.publish(data=data, metadata=metadata or {},
                                        transient={"display_id": self._display_id}, update=update)

@@ -71,11 +71,11 @@ def timeline_text(tl: MemoryTimeline) -> str:
         lines.append(f"reserved at peak {fmt_bytes(int(tl.reserved[tl.peak_step]))} "
                      f"({fmt_bytes(frag)} cached/fragmented), max reserved {fmt_bytes(int(tl.reserved.max()))}")
     if tl.allocator:
-        a = tl.allocator
-        lines.append(f"allocator at the end: reserved {fmt_bytes(a.get('reserved'))} in {a.get('segments', 0)} "
-                     f"segment(s), allocated {fmt_bytes(a.get('allocated'))}; fragmentation: "
-                     f"{fmt_bytes(a.get('free_in_used_segments'))} free inside segments in use, "
-                     f"largest free block {fmt_bytes(a.get('largest_free_block'))}")
+        alloc = tl.allocator
+        lines.append(f"allocator at the end: reserved {fmt_bytes(alloc.get('reserved'))} in {alloc.get('segments', 0)} "
+                     f"segment(s), allocated {fmt_bytes(alloc.get('allocated'))}; fragmentation: "
+                     f"{fmt_bytes(alloc.get('free_in_used_segments'))} free inside segments in use, "
+                     f"largest free block {fmt_bytes(alloc.get('largest_free_block'))}")
     lines.append(f"  {'category':<32}{'start':>11}{'at peak':>11}{'max':>11}{'end':>11}")
     for c in CATEGORIES:
         t = tl.category_totals.get(c, {})
@@ -142,8 +142,8 @@ def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no events recorded", ha="center", va="center", transform=ax.transAxes)
         return
-    reserved = tl.reserved is not None and len(tl.reserved) > 0
-    ymax = float(max(tl.peak_bytes, int(tl.reserved.max()) if reserved else 0, 1)) * 1.08
+    reserved = tl.reserved if tl.reserved is not None and len(tl.reserved) > 0 else None
+    ymax = float(max(tl.peak_bytes, int(reserved.max()) if reserved is not None else 0, 1)) * 1.08
     idx = decimate(tl.totals, max_points)
     shown = [c for i, c in enumerate(CATEGORIES) if tl.by_category[:, i].any()]
     for phase, colour in PHASE_COLORS.items():  # one collection per phase: thousands of runs stay cheap
@@ -155,8 +155,8 @@ def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
     starts = [p.start - 1 for k, p in enumerate(tl.phases) if k and p.iteration != tl.phases[k - 1].iteration]
     if starts:
         ax.vlines(starts, 0, ymax, colors="#57606a", linestyles=(0, (2, 3)), linewidth=0.8, label="iteration start")
-    if reserved:
-        ax.plot(tl.steps[idx], tl.reserved[idx], color="#24292f", linestyle=(0, (4, 2)), linewidth=1,
+    if reserved is not None:
+        ax.plot(tl.steps[idx], reserved[idx], color="#24292f", linestyle=(0, (4, 2)), linewidth=1,
                 label="reserved (allocator cache)")
     ax.axvline(tl.peak_step, color="#cf222e", linewidth=1.2)
     ax.plot([tl.peak_step], [tl.peak_bytes], "o", color="#cf222e", markersize=4, label="peak")

@@ -20,7 +20,7 @@ from torch_nbdebug.data.memory import SAVED_BY_GRAPH
 from torch_nbdebug.record.modules import module_roots, parameter_names, user_named_modules, user_named_parameters
 from torch_nbdebug.record.source import UserNamespace, caller_namespace
 from torch_nbdebug.record.compat import is_fake, node_saved_attributes
-from torch_nbdebug.record.memory_ops import measurable
+from torch_nbdebug.record.memory.ops import measurable
 from torch_nbdebug.record.tensors import storage_key
 
 MAX_DEPTH = 4

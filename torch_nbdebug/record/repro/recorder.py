@@ -1,7 +1,7 @@
 """One run of a cell under ``%%repro``: every op with the fingerprints of what it read and made.
 
 A ``TorchDispatchMode`` sees each ATen op (forward, backward and optimizer). Outputs are fingerprinted
-(``repro_ops.fingerprint_tensor``: a few reductions, no copies); an input made by an earlier op of the
+(``ops.fingerprint_tensor``: a few reductions, no copies); an input made by an earlier op of the
 same run, unchanged since, is recorded as a reference to that op's output instead of being read
 again. Views read no data and make none, so their outputs are references too (kept under the
 version counter they share with their base, and by what they alias for the copy autograd passes on).
@@ -23,12 +23,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
 from torch_nbdebug.record.compat import (StorageWeakRef, TorchDispatchMode, current_autograd_node,
                                          next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.repro_ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
+from torch_nbdebug.record.repro.ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
                                             scalars_key)
-from torch_nbdebug.record.repro_write import write_out_of_place
+from torch_nbdebug.record.repro.write import write_out_of_place
 from torch_nbdebug.record.source import user_frame
 
 Slot = Any  # ("fp" | "fpd", index, shape, dtype) | ("ref", op, k) | ("mark", text) | None
@@ -49,7 +49,7 @@ class _Mode(TorchDispatchMode):
 class ReproRecorder:
     """Records one run. ``labels`` names state tensors by id; ``before_write`` is called with each
     tensor an op is about to write (copy-on-write snapshots), unless ``movable`` says the op's
-    out-of-place twin may write it and ``move`` gives it the result (see repro_write);
+    out-of-place twin may write it and ``move`` gives it the result (see write.py);
     ``check(traces)`` returns True to stop."""
 
     read_at_once: tuple[str, ...] = ("cpu",)  # devices whose fingerprints are read per op (no sync to wait)
@@ -95,32 +95,24 @@ class ReproRecorder:
         self._last_seq = -1
         self._tracker = ModuleTracker(namespace)
         self._mode = _Mode(self)
-        self._handles: list[Any] = []
-        self._mode_on = False
+        self._scope = HookScope()
 
     # -- scope ---------------------------------------------------------------------------------
     def __enter__(self) -> "ReproRecorder":
-        try:
-            with deferred_interrupts():  # a Stop now is raised once everything is installed
-                self._install()
-        except BaseException:
-            self._remove()
-            raise
+        self._scope.open(self._install)
         return self
 
-    def _install(self) -> None:
-        self._tracker.__enter__()
-        self._handles = [register_optimizer_step_pre_hook(self._step_pre),
-                         register_optimizer_step_post_hook(self._step_post)]
-        self._mode.__enter__()
-        self._mode_on = True
+    def _install(self, scope: HookScope) -> None:
+        scope.enter(self._tracker)
+        scope.callback(self._end_steps)
+        scope.hook(register_optimizer_step_pre_hook(self._step_pre))
+        scope.hook(register_optimizer_step_post_hook(self._step_post))
+        scope.enter(self._mode)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            with deferred_interrupts():  # a Stop here is raised once the mode and hooks are removed
-                self._remove()
+            self._scope.close()
         finally:
-            self._remove()  # if a Stop came before the block above took effect; else a no-op
             self.flush()
             self._known.clear()
             self._views.clear()
@@ -128,20 +120,7 @@ class ReproRecorder:
             self._uninit.clear()
             self._forward_places.clear()
 
-    def _remove(self) -> None:
-        """Take off the mode and every hook; safe to run twice."""
-        try:
-            if self._mode_on:
-                self._mode_on = False
-                self._mode.__exit__(None, None, None)
-        finally:
-            self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._tracker.remove()
+    def _end_steps(self) -> None:
         self._optimizer_depth = 0
 
     def _step_pre(self, *args: Any) -> None:
@@ -217,7 +196,7 @@ class ReproRecorder:
     def _write(self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                named: list[tuple[str, torch.Tensor]]) -> Any:
         """Run an op that writes some of its arguments in place, state it writes saved first: moved
-        when its first write can be computed out of place (repro_write), else copied (copy-on-write)."""
+        when its first write can be computed out of place (write.py), else copied (copy-on-write)."""
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
         if self._move is not None and self._movable is not None and info.twin is not None and \
                 write_out_of_place(info, args, kwargs, named, self._movable, self._move):
@@ -380,7 +359,7 @@ class ReproRecorder:
         except (TypeError, RuntimeError):  # tensors without a version counter (inference tensors)
             pass
 
-    def _device(self, named: list[tuple[str, torch.Tensor]], out: Any) -> str:
+    def _device(self, named: Sequence[tuple[str, torch.Tensor]], out: Any) -> str:
         t = named[0][1] if named else (out if isinstance(out, torch.Tensor) else None)
         if t is None and isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
             t = out[0]

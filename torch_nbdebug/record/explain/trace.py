@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
 from torch_nbdebug.record.compat import node_sequence_nr, tensor_version
-from torch_nbdebug.record.explain_frames import (Frames, call_site, loss_facts, made_facts, made_in_forward,
+from torch_nbdebug.record.explain.frames import (Frames, call_site, loss_facts, made_facts, made_in_forward,
                                                  module_locals, module_of, user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
 from torch_nbdebug.record.source import is_user_file, line_of
@@ -80,7 +80,7 @@ def _user_globals(frames: "Frames") -> Mapping[str, Any]:
     """The globals of every user frame of the traceback, the innermost first: a user's own library
     installed in development mode (not under site-packages) is user code, but the model is named in the
     notebook's globals further out."""
-    spaces: list[Mapping[str, Any]] = []
+    spaces: list[dict[str, Any]] = []
     for frame, _ in reversed(frames):
         if is_user_file(frame.f_code.co_filename) and all(frame.f_globals is not g for g in spaces):
             spaces.append(frame.f_globals)
@@ -160,7 +160,7 @@ def _raising_call(lasti: int, frame: types.FrameType) -> str:
     except (AttributeError, IndexError):  # (before Python 3.11: no positions)
         return ""
     start, end, col, end_col = positions
-    if None in positions:
+    if start is None or end is None or col is None or end_col is None:
         return ""
     lines = [linecache.getline(frame.f_code.co_filename, n).rstrip("\n").encode() for n in range(start, end + 1)]
     if not lines or not lines[-1]:

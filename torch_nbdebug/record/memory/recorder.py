@@ -39,11 +39,12 @@ from torch_nbdebug.data.source import SourceLine
 from torch_nbdebug.record.compat import (
     EagerDispatchMode, current_autograd_node, op_output_aliases_input, storage_id_of,
 )
-from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap, deferred_interrupts
-from torch_nbdebug.record.memory_holders import (
+from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap
+from torch_nbdebug.record.lifecycle import HookScope
+from torch_nbdebug.record.memory.holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import (
+from torch_nbdebug.record.memory.ops import (
     DTYPE_NAMES, builds_graph, dtype_name, input_storage_keys, on_device_test, tensors_in,
 )
 from torch_nbdebug.record.modules import ModuleTracker
@@ -60,6 +61,7 @@ class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers which allocation it stands for."""
 
     __slots__ = ("alloc_id",)
+    alloc_id: int
 
 
 class _Record:
@@ -124,7 +126,7 @@ class MemoryRecorder:
         self._aliasing: dict[int, tuple[Any, bool]] = {}  # id(op) -> (op, may an output share an input's storage)
         self._device_names: dict[int, str] = {}  # tensor.get_device() -> "cpu", "cuda:0"...
         self._on_device = on_device_test(device_type)
-        self._exits: list[Any] = []
+        self._scope = HookScope()
         self._t0 = 0
         self._tracker = ModuleTracker(namespace, on_enter=self._on_module)
         self._frees: CallbackQueue[_StorageRef] = CallbackQueue(self._on_free)
@@ -147,44 +149,19 @@ class MemoryRecorder:
     def start(self) -> None:
         self._t0 = _now()
         self._adopt_existing()
-        try:
-            with deferred_interrupts():  # a Stop now is raised once everything is installed...
-                self._install()
-        except BaseException:
-            with deferred_interrupts():  # ...and then all of it is removed again
-                self._uninstall()
-            raise
+        self._scope.open(self._install)
 
-    def _install(self) -> None:
-        self._tracker.__enter__()
-        self._exits.append(self._tracker.remove)
-        pre = register_optimizer_step_pre_hook(self._on_step_pre)
-        self._exits.append(pre.remove)
-        post = register_optimizer_step_post_hook(self._on_step_post)
-        self._exits.append(post.remove)
-        mode = _AllocationMode(self)
-        mode.__enter__()
-        self._exits.append(lambda: mode.__exit__(None, None, None))
-
-    def _uninstall(self) -> None:
-        """Remove everything in reverse order; every step runs even if an earlier one fails."""
-        errors: list[BaseException] = []
-        while self._exits:
-            undo = self._exits.pop()
-            try:
-                undo()
-            except BaseException as exc:  # keep undoing: leaving a mode behind breaks the user's session
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+    def _install(self, scope: HookScope) -> None:
+        scope.enter(self._tracker)
+        scope.hook(register_optimizer_step_pre_hook(self._on_step_pre))
+        scope.hook(register_optimizer_step_post_hook(self._on_step_post))
+        scope.enter(_AllocationMode(self))
 
     def stop(self) -> MemoryRecording:
         try:
-            with deferred_interrupts():  # a Stop here is raised after every hook is removed
-                self._uninstall()
+            self._scope.close()
         finally:
             try:
-                self._uninstall()  # if a Stop came before the block above took effect; else a no-op
                 self.recording = self._finish()
             finally:
                 self._records.clear()  # with their weak references: no callbacks after this point,

@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch_nbdebug.data.explain import CutEvent, InplaceEvent, OpSite, OptimizerStep, Recording
 from torch_nbdebug.record.compat import (function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
                                          pop_function_mode, push_function_mode, tensor_version)
-from torch_nbdebug.record.explain_indices import check_index_arguments
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.explain.indices import check_index_arguments
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.source import is_user_code, line_of
 
@@ -140,45 +140,33 @@ class ExplainRecorder:
         self._roots: list[Optional["weakref.ref[torch.Tensor]"]] = []  # the last two backward roots, weakly
         self.paused = False  # inside optimizer.step()
         self._popped = False  # the mode is off the stack for an optimizer step
-        self._hooks: list[Any] = []
+        self._scope = HookScope()
         self.steps: list[tuple[str, _Where, tuple[tuple[int, ...], ...]]] = []
 
     def start(self) -> None:
-        try:
-            with deferred_interrupts():  # a Stop now is raised once everything is installed
-                self._install()
-        except BaseException:
-            self.stop()
-            raise
+        self._scope.open(self._install)
 
-    def _install(self) -> None:
+    def _install(self, scope: HookScope) -> None:
         self._start_seq = next_sequence_nr()
-        self.tracker.__enter__()
-        self._hooks.append(register_optimizer_step_pre_hook(self._pre_step))
-        self._hooks.append(register_optimizer_step_post_hook(self._post_step))
+        scope.enter(self.tracker)
+        scope.hook(register_optimizer_step_pre_hook(self._pre_step))
+        scope.hook(register_optimizer_step_post_hook(self._post_step))
+        scope.callback(self._end_pause)
         mode = _ExplainMode(self)
         mode.__enter__()
-        self._mode = mode  # only once it is on the stack: stop() takes off nothing it did not push
+        self._mode = mode  # only once it is on the stack: the undo takes off nothing it did not push
+        scope.callback(self._exit_mode)
 
     def stop(self) -> None:
-        try:
-            with deferred_interrupts():  # a Stop here is raised once the mode and every hook are removed
-                self._remove()
-        finally:
-            self._remove()  # if a Stop came before the block above took effect; else a no-op
+        self._scope.close()
 
-    def _remove(self) -> None:
-        """Take off the mode and every hook; safe to run twice."""
-        try:
-            mode, popped, self._mode, self._popped = self._mode, self._popped, None, False
-            if mode is not None and not popped:  # popped: a step raised, it is off the stack already
-                mode.__exit__(None, None, None)
-        finally:
-            handles, self._hooks = self._hooks, []
-            for handle in handles:
-                handle.remove()
-            self.paused = False
-            self.tracker.remove()
+    def _exit_mode(self) -> None:
+        mode, popped, self._mode, self._popped = self._mode, self._popped, None, False
+        if mode is not None and not popped:  # popped: a step raised, it is off the stack already
+            mode.__exit__(None, None, None)
+
+    def _end_pause(self) -> None:
+        self.paused = False
 
     # -- optimizer steps: not recorded op by op (their in-place updates run under no_grad) -----------
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

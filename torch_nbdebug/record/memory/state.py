@@ -6,10 +6,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from torch_nbdebug.data.memory import CATEGORIES, LiveTensor, MemoryState
-from torch_nbdebug.record.memory_holders import (
+from torch_nbdebug.record.memory.holders import (
     find_holders, persistent_keys, scan_objects, storage_key,
 )
-from torch_nbdebug.record.memory_ops import plain_shape, storage_bytes
+from torch_nbdebug.record.memory.ops import plain_shape, storage_bytes
 
 
 def capture_state(namespace: Optional[Mapping[str, Any]] = None, *, device_type: str = "cpu",

@@ -19,16 +19,21 @@ class IndexCheckError(NbdebugError, IndexError):
     """An index argument is out of range for the op it was about to reach."""
 
 
-def _embedding(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.Tensor, int, str]]:
+# The index argument as the user passed it (checked to be an integer tensor before use), the size it
+# indexes into, and what that size counts.
+_Indexed = tuple[Any, int, str]
+
+
+def _embedding(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[_Indexed]:
     index, weight = kw.get("input", args[0] if args else None), kw.get("weight", args[1] if len(args) > 1 else None)
     return (index, weight.shape[0], "rows of the embedding table") if isinstance(weight, torch.Tensor) else None
 
 
-def _aten_embedding(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.Tensor, int, str]]:
+def _aten_embedding(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[_Indexed]:
     return _embedding((args[1], args[0]) if len(args) > 1 else args, kw)
 
 
-def _dim_index(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.Tensor, int, str]]:
+def _dim_index(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[_Indexed]:
     data = kw.get("input", args[0] if args else None)
     dim = kw.get("dim", args[1] if len(args) > 1 else None)
     index = kw.get("index", args[2] if len(args) > 2 else None)
@@ -37,7 +42,7 @@ def _dim_index(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torc
     return index, data.shape[dim], f"entries along dimension {dim}"
 
 
-def _target(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.Tensor, int, str]]:
+def _target(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[_Indexed]:
     logits = kw.get("input", args[0] if args else None)
     target = kw.get("target", args[1] if len(args) > 1 else None)
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or target.is_floating_point():
@@ -47,7 +52,7 @@ def _target(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.T
     return target[target != ignore] if ignore is not None else target, classes, "classes"
 
 
-def _getitem(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[tuple[torch.Tensor, int, str]]:
+def _getitem(args: tuple[Any, ...], kw: dict[str, Any]) -> Optional[_Indexed]:
     if len(args) < 2 or not isinstance(args[0], torch.Tensor) or args[0].dim() == 0:
         return None
     return args[1], args[0].shape[0], "entries along dimension 0"

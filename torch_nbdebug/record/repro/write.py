@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from torch_nbdebug.record.interrupts import deferred_interrupts
-from torch_nbdebug.record.repro_ops import OpInfo
+from torch_nbdebug.record.repro.ops import OpInfo
 
 
 def write_out_of_place(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -232,10 +232,10 @@ def read_fingerprints(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> list[
     for i, (bits, _) in enumerate(pending):
         by_device.setdefault(bits.device, []).append(i)
     for indices in by_device.values():
-        bits = torch.stack([pending[i][0] for i in indices]).cpu().tolist()
+        bit_rows = torch.stack([pending[i][0] for i in indices]).cpu().tolist()
         samples = torch.cat([pending[i][1] for i in indices]).cpu().tolist()
         at = 0
-        for i, b in zip(indices, bits):
+        for i, b in zip(indices, bit_rows):
             n = pending[i][1].numel()
             rows[i] = (b, tuple(samples[at:at + n]))
             at += n

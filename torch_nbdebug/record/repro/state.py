@@ -6,7 +6,7 @@ Tensors are saved copy-on-write: cloned just before the first op of run 1 that w
 plain storage, are known by the tensor object the writing op is handed). A parameter that alone owns its memory
 is not copied back: run 1 writes the clone and the parameter gets its own memory back; when run 1's
 first write of it is an optimizer's elementwise update, that write is computed out of place into new
-memory instead of cloning first (``movable``/``move``, see repro_write.py). A tensor only an
+memory instead of cloning first (``movable``/``move``, see repro/write.py). A tensor only an
 optimizer's state holds (Adam's moments) is restored by value, as ``load_state_dict`` would: its clone
 takes its place in the restored state. Other tensors are copied back with ``copy_``. Optimizers' other
 state, LR schedulers and gradient scalers are restored through copies of their state. Random generators
@@ -39,6 +39,11 @@ def _is_scheduler(value: Any) -> bool:
 
 def _is_scaler(value: Any) -> bool:
     return isinstance(value, torch.amp.GradScaler)
+
+
+def _take_memory(tensor: torch.Tensor, source: torch.Tensor) -> None:
+    """``tensor.set_(source)``: ``tensor`` now uses ``source``'s memory, offset, shape and strides."""
+    tensor.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
 
 
 def is_state(value: Any) -> bool:
@@ -246,7 +251,7 @@ class StateSnapshot:
                     # Run 1 writes a copy; the tensor gets its own memory back in ``restore`` (no copy).
                     live = tensors[0]
                     self._moved.append((live, live.detach()))
-                    live.set_(live.clone())
+                    _take_memory(live, live.clone())
                 else:
                     self._saved.extend((t, t.detach().clone()) for t in tensors)
 
@@ -266,7 +271,7 @@ class StateSnapshot:
         their copies take their place in the restored state and the old memory is reused."""
         self._cow.pop(_cow_key(tensor), None)
         self._moved.append((tensor, tensor.detach()))
-        tensor.set_(new)
+        _take_memory(tensor, new)
 
     def pristine(self, tensor: torch.Tensor) -> bool:
         """Whether no op has written ``tensor`` yet (its copy-on-write copy is still to be taken)."""
@@ -292,7 +297,7 @@ class StateSnapshot:
                 live.copy_(saved)
             for live, own in self._moved:
                 if storage_use_count(live) == 2:  # nothing else holds run 1's copy: give the memory back
-                    live.set_(own)
+                    _take_memory(live, own)
                 else:  # a view of the copy outlives run 1 (kept by the cell): keep the copy, as copy_ does
                     live.copy_(own)
         for param, grad in self._grads:

@@ -9,8 +9,8 @@ import torch
 
 from torch_nbdebug.data.repro import Fingerprint, Settings
 from torch_nbdebug.record.interrupts import no_grad_held
-from torch_nbdebug.record.repro_ops import fingerprint_tensor, fingerprintable, read_fingerprints
-from torch_nbdebug.record.repro_state import is_loader
+from torch_nbdebug.record.repro.ops import fingerprint_tensor, fingerprintable, read_fingerprints
+from torch_nbdebug.record.repro.state import is_loader
 
 
 def loaders_without_seed(named: Iterable[tuple[str, Any]]) -> tuple[str, ...]:

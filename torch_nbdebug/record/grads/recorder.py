@@ -2,7 +2,7 @@
 
 Speed matters more than anything here (a recorder that slows training by 50% is not used), so a
 recorded step launches a fixed handful of batched ops, whatever the number of parameters, and never
-synchronises with the host (see :mod:`torch_nbdebug.record.grads_steps`):
+synchronises with the host (see :mod:`torch_nbdebug.record.grads.steps`):
 
 - exact per parameter: L2 norms of gradients and parameters (one ``_foreach_norm`` each); sum and
   min/max, from the gathered sample for the parameters taken whole, directly for the others;
@@ -11,7 +11,7 @@ synchronises with the host (see :mod:`torch_nbdebug.record.grads_steps`):
   of w is taken before and after ``optimizer.step()``). Parameters with at most ``sample`` elements
   are sampled whole, so their values are exact.
 
-The samples stay on the device, in rows allocated ahead (:class:`~torch_nbdebug.record.grads_steps.Chunk`);
+The samples stay on the device, in rows allocated ahead (:class:`~torch_nbdebug.record.grads.steps.Chunk`);
 every ``_FLUSH`` steps (or before those rows would take over ``_MAX_KEPT`` elements, or at the end)
 they are reduced for all kept steps at once and copied to the host in one transfer (taken as
 finite: a step that held a NaN or an Inf after all is reduced again in full, for one more transfer
@@ -34,13 +34,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace
 from torch_nbdebug.record import compat
-from torch_nbdebug.record.grads_layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
-from torch_nbdebug.record.grads_stats import (
+from torch_nbdebug.record.grads.layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
+from torch_nbdebug.record.grads.stats import (
     LastJob, Redo, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
     whole_columns,
 )
-from torch_nbdebug.record.grads_steps import RAW, Chunks, Layout, Sampler, reduce_rows, sampled_rows, update_squares
+from torch_nbdebug.record.grads.steps import (RAW, Chunks, Layout, Sampler, present_grads, reduce_rows, sampled_rows,
+                                              update_squares)
 from torch_nbdebug.record.interrupts import WeakIdMap, deferred_interrupts, no_grad_held
+from torch_nbdebug.record.lifecycle import HookScope, Removable
 
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
@@ -61,8 +63,8 @@ class GradRecorder:
                  activations: bool = False, exact_last: bool = True) -> None:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
-        self._handles: list[Any] = []
-        self._grad_handles: list[Any] = []  # find a backward's end: only until an optimizer steps
+        self._scope = HookScope()
+        self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
         self._pending: list[dict[str, Any]] = []
         self._host: list[dict[str, Any]] = []
         self._act: dict[int, torch.Tensor] = {}
@@ -85,41 +87,28 @@ class GradRecorder:
             layers_of(self.model, self.name, self._enter_order)
         self._sampler = Sampler(self._params, self.sample)
         self._ids = {id(p) for p in self._params}
-        try:
-            with deferred_interrupts():  # a Stop while installing is raised once all is installed...
-                self._install()
-        except BaseException:
-            self.remove()  # ...and then every handle is removed
-            raise
+        self._scope.open(self._install)
         return self
 
-    def _install(self) -> None:
-        add = self._handles.append
+    def _install(self, scope: HookScope) -> None:
         for sub, module in self._live:
-            add(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+            scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
         for li, (_, module) in enumerate(self._live):
             if self.activations:
-                add(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
+                scope.hook(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
         for p in self._params:
             if p.requires_grad:
-                self._grad_handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
-        self._handles += self._grad_handles
-        add(register_optimizer_step_pre_hook(self._pre_step))
-        add(register_optimizer_step_post_hook(self._post_step))
+                self._grad_handles.append(scope.hook(p.register_post_accumulate_grad_hook(self._accumulated)))
+        scope.hook(register_optimizer_step_pre_hook(self._pre_step))
+        scope.hook(register_optimizer_step_post_hook(self._post_step))
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
         self.trace = self.finish()
 
     def remove(self) -> None:
-        try:
-            with deferred_interrupts():  # a Stop here is raised once every handle is removed
-                for handle in self._handles:
-                    handle.remove()
-        finally:
-            for handle in self._handles:  # again if a Stop came before the block took effect (idempotent)
-                handle.remove()
-            self._handles = []
+        """Take off every hook (a Stop meanwhile is raised once all are off); safe to call again."""
+        self._scope.close()
 
     # -- hooks ----------------------------------------------------------------------------
     def _seen(self, sub: str) -> None:
@@ -223,7 +212,8 @@ class GradRecorder:
         present = tuple(i for i, p in enumerate(self._params) if usable(p.grad))
         if not present:
             return None
-        layout = self._sampler.layout(present, self._params[present[0]].grad.device)
+        grads = present_grads(self._params, present)
+        layout = self._sampler.layout(present, grads[0].device)
         if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
         with no_grad_held():
@@ -233,7 +223,7 @@ class GradRecorder:
                 dev = row["layout"].device
                 nan = torch.full((len(ACT_FIELDS),), math.nan, dtype=torch.float32, device=dev)
                 row["act"] = torch.stack([self._act.get(li, nan).to(dev) for li in range(len(self._live))])
-        self._last = [(weakref.ref(self._params[i].grad), compat.tensor_version(self._params[i].grad)) for i in present]
+        self._last = [(weakref.ref(g), compat.tensor_version(g)) for g in grads]
         self._pending.append(row)
         self._steps += 1
         return row
@@ -361,7 +351,7 @@ class GradRecorder:
             redone = new[big + [whole[j] for j in fixed]]
             for key, values in cols.items():  # the sampled parameters (and a few whole), over every element
                 stats[-1, redone, FIELD[key]] = values
-            matrices = new[[i for i in whole if self._params[i].grad.dim() >= 2]]
+            matrices = new[[i for i, g in zip(whole, present_grads(self._params, whole)) if g.dim() >= 2]]
             stats[-1, matrices, FIELD["dead_units"]] = dead_whole  # all the sample could not say
             exact[-1] = True
             hist[-1, redone], rng[-1, redone] = counts, lo_hi  # the last row always keeps its histogram

@@ -1,6 +1,6 @@
 """The frames of a finished traceback, read without running user code: a frame's locals, the module
 whose ``forward`` a frame runs, the modules a ``forward`` made for itself, and the loss an error came
-through. Shared by :mod:`torch_nbdebug.record.explain_trace`."""
+through. Shared by :mod:`torch_nbdebug.record.explain.trace`."""
 from __future__ import annotations
 
 import inspect
@@ -32,7 +32,7 @@ def user_locals(frame: types.FrameType) -> Mapping[str, Any]:
     """
     if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
         return frame.f_locals
-    running = sys._getframe(1)
+    running: Optional[types.FrameType] = sys._getframe(1)
     while running is not None:
         if running is frame:
             local = frame_locals(frame)

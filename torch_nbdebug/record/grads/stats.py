@@ -6,7 +6,7 @@ the last recorded step (the rest of that step is exact in its sample). Each runs
 them back copied, so a caller can join those copies with its own (the recorder copies its last
 steps and this in one transfer). Two host synchronisations in all for finite gradients (the
 per-parameter reductions, then the histograms that need their ranges), one more when some gradient
-holds a NaN or an Inf. The per-step path is :mod:`torch_nbdebug.record.grads_steps`.
+holds a NaN or an Inf. The per-step path is :mod:`torch_nbdebug.record.grads.steps`.
 """
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.grads import FIELD, FIELDS
-from torch_nbdebug.record.grads_cpu import binned, unit_sums
-from torch_nbdebug.record.grads_steps import COL, RAW, float_norms, reduce_rows
+from torch_nbdebug.record.grads.cpu import binned, unit_sums
+from torch_nbdebug.record.grads.steps import COL, RAW, float_norms, present_grads, reduce_rows
 from torch_nbdebug.record.interrupts import no_grad_held
 
 _LARGE = 1 << 20  # elements from which a gradient's non-zeros are counted by count_nonzero
 
 # A job yields the device tensors it wants on the host and is sent their host copies back.
 ExactJob = Generator[list[torch.Tensor], list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+_Result = TypeVar("_Result")
 
 
 def usable(grad: Optional[torch.Tensor]) -> bool:
@@ -85,8 +86,8 @@ class Redo:
                     a["hist"][hist_rows.index(i)], a["range"][hist_rows.index(i)] = new["hist"][j], new["range"][j]
 
 
-def run_job(job: ExactJob, first: Optional[list[np.ndarray]] = None, ride: Sequence[torch.Tensor] = ()
-            ) -> tuple[Any, list[np.ndarray]]:
+def run_job(job: Generator[list[torch.Tensor], list[np.ndarray], _Result], first: Optional[list[np.ndarray]] = None,
+            ride: Sequence[torch.Tensor] = ()) -> tuple[_Result, list[np.ndarray]]:
     """Drive a job: each of its requests is one host copy. ``first``: the host copy of its first
     request, when the caller took that request (``next(job)``) and copied it with its own tensors.
     ``ride``: the caller's tensors, copied with the job's next request (alone when it makes none).
@@ -145,7 +146,7 @@ def exact_job(params: list[nn.Parameter], bins: int) -> ExactJob:
     present = [i for i, p in enumerate(params) if usable(p.grad)]
     norms = bool(params)
     wanted = [torch.stack(float_norms([p.detach() for p in params]))] if norms else []
-    grads = [params[i].grad.detach() for i in present]
+    grads = [g.detach() for g in present_grads(params, present)]
     if grads:
         wanted += _first_columns(grads)
     host = yield wanted
@@ -264,12 +265,12 @@ def _nonzeros(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonzero: np.ndarray, dead: np.ndarray,
                    total: np.ndarray, l1: np.ndarray, lo: np.ndarray, hi: np.ndarray
-                   ) -> Generator[list[torch.Tensor], list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                   ) -> Generator[list[torch.Tensor], list[np.ndarray], tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
     """Columns and histograms from the first copy. A finite norm proves every element finite, so only
     gradients with a NaN/Inf (or an overflowing norm) pay for the masked reductions; the histograms of
     the others, the masked reductions and the float64 variances come back in one copy, and the
     histograms of the non-finite ones (whose ranges that copy gives) in one more, with those of the
-    finite ones found to hold elements outside their range (rare, see :func:`grads_cpu.binned`)."""
+    finite ones found to hold elements outside their range (rare, see :func:`cpu.binned`)."""
     numel = np.array([g.numel() for g in grads], float)
     cols = {k: np.full(len(grads), np.nan) for k in ("mean", "std", "min", "max", "max_abs", "mean_abs")}
     cols.update(norm=norms, zeros=numel - nonzero, dead_units=dead, nan=np.zeros(len(grads)), inf=np.zeros(len(grads)))
@@ -292,7 +293,7 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
         n_nan, n_inf, n, d_total, d_l1, d_lo, d_hi, d_var, d_nonzero = host
         cols["nan"][dirty], cols["inf"][dirty], cols["zeros"][dirty] = n_nan, n_inf, numel[dirty] - d_nonzero
         _set(cols, dirty, d_total / np.maximum(n, 1), d_var, d_lo, d_hi, d_l1 / np.maximum(n, 1), n)
-    outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows grads_cpu.binned left NaN: histc's
+    outside = [i for i in rows if np.isnan(counts[i, 0])]  # rows cpu.binned left NaN: histc's
     rows, hists = _histograms(grads, outside + list(dirty), cols["min"], cols["max"], bins, rng)
     if hists:
         (counts[rows],) = yield hists
@@ -340,7 +341,7 @@ def _histograms(grads: list[torch.Tensor], candidates: Any, lo: np.ndarray, hi: 
                 rng: np.ndarray, within: bool = False) -> tuple[list[int], list[torch.Tensor]]:
     """The rows among ``candidates`` with a finite element, and their histograms over [lo, hi] (set in
     ``rng``) as one device tensor in a list (empty when there is no such row). ``within``: [lo, hi]
-    is the range measured of those (finite) gradients: on a CPU :func:`grads_cpu.binned` counts them, NaN rows
+    is the range measured of those (finite) gradients: on a CPU :func:`cpu.binned` counts them, NaN rows
     where an element lies outside after all."""
     rows = [int(i) for i in candidates if not np.isnan(lo[i])]
     for i in rows:

@@ -29,6 +29,17 @@ RAW = ("norm", "sum", "min", "max", "mean_abs", "zeros", "nan", "inf", "param_no
 COL = {name: i for i, name in enumerate(RAW)}
 
 
+def present_grads(params: list[torch.nn.Parameter], present: "tuple[int, ...] | list[int]") -> list[torch.Tensor]:
+    """The gradients of the parameters at ``present``: those found holding one when the step began."""
+    grads: list[torch.Tensor] = []
+    for i in present:
+        grad = params[i].grad
+        if grad is None:
+            raise RuntimeError(f"parameter {i} lost its gradient while the step was being recorded")
+        grads.append(grad)
+    return grads
+
+
 def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
     """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf."""
     if all(t.dtype == torch.float32 for t in tensors):
@@ -197,7 +208,8 @@ class Sampler:
         parts: list[torch.Tensor] = []
         for j, i, pad in layout.plan:
             flat = tensors[j].reshape(-1)
-            parts.append(flat if index[i] is None else flat.index_select(0, index[i]))
+            picked = index[i]
+            parts.append(flat if picked is None else flat.index_select(0, picked))
             if pad is not None:
                 parts.append(pad)
         if not layout.same_device:
@@ -324,7 +336,7 @@ def sampled_rows(params: list[torch.nn.Parameter], layout: Layout, sampler: Samp
     """Capture one step on the device, no host synchronisation: see the module docstring. The
     gradients of ``layout.present``, sampled into row ``slot`` of ``chunk``. Called under ``no_grad``,
     as :meth:`Sampler.gather`."""
-    grads = [params[i].grad for i in layout.present]
+    grads = present_grads(params, layout.present)
     # Gradient and parameter norms in one batched call (one kernel launch on a GPU).
     norms = torch.stack(float_norms(grads + [params[i] for i in layout.present])).to(layout.device)
     captured: dict[str, Any] = {"layout": layout, "chunk": chunk, "slot": slot,

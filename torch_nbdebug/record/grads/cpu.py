@@ -1,6 +1,6 @@
 """The exact last step's two costly passes over CPU gradients, in cache-sized pieces: |g| summed per
 unit (the per-unit L1) and histc's histogram counted by ``bincount``. Both give what the plain torch
-call gives (:mod:`record.grads_stats` sends everything else there), about three times faster.
+call gives (:mod:`record.grads.stats` sends everything else there), about three times faster.
 """
 from __future__ import annotations
 

@@ -1,0 +1,103 @@
+"""One lifecycle for every recorder: what it installs, and taking all of it off again.
+
+A recorder installs several things (module hooks, optimizer hooks, a dispatch mode, a module tracker)
+and must leave none of them behind, whatever happens: an error while installing, a failing undo, a
+Jupyter Stop (an asynchronous ``KeyboardInterrupt``) between two steps. :class:`HookScope` is an
+``ExitStack`` for exactly that, so a recorder's ``start`` is the list of what it installs::
+
+    self._scope.open(self._install)      # def _install(self, scope): scope.hook(...); scope.enter(mode)
+    ...
+    self._scope.close()
+
+- :meth:`HookScope.open` runs the installing steps with a Stop held (:class:`deferred_interrupts`): they
+  all run, then the Stop is raised. If installing fails (or a Stop is raised at its end), everything
+  installed so far is undone before the error propagates.
+- :meth:`HookScope.close` undoes in reverse order with a Stop held, and once more outside the held
+  block in case a Stop came before the block took effect (every undo is taken off the list before it
+  runs, so nothing is undone twice). An undo that fails does not stop the others: they all run, then
+  the first failure is raised, with the others added as notes.
+
+Imports the standard library and record/interrupts.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Protocol, TypeVar
+
+from torch_nbdebug.record.interrupts import deferred_interrupts
+
+__all__ = ["HookScope", "Removable"]
+
+C = TypeVar("C", bound=ContextManager[Any])
+
+
+class Removable(Protocol):
+    """What torch's hook registrations return (``RemovableHandle``): ``remove()`` is idempotent."""
+
+    def remove(self) -> None: ...
+
+
+_ExcInfo = tuple[Any, Any, Any]
+_NO_EXC: _ExcInfo = (None, None, None)
+
+
+class HookScope:
+    """The hooks, modes and callbacks a recorder installed, undone in reverse order by :meth:`close`."""
+
+    __slots__ = ("_undo",)
+
+    def __init__(self) -> None:
+        # each undo gets the exception (type, value, traceback) the recording ended with, or Nones
+        self._undo: list[Callable[[_ExcInfo], object]] = []
+
+    # -- what a recorder installs ----------------------------------------------------------------
+    def hook(self, handle: Removable) -> Removable:
+        """Remember a hook's handle (from ``register_*_hook``): removed on close."""
+        self._undo.append(lambda exc: handle.remove())
+        return handle
+
+    def enter(self, manager: C) -> C:
+        """Enter a context manager (a mode, a tracker); it is exited on close with the recording's
+        exception. Pushed only once entered: close exits nothing that was not entered."""
+        manager.__enter__()
+        self._undo.append(lambda exc: manager.__exit__(*exc))
+        return manager
+
+    def callback(self, undo: Callable[[], object]) -> None:
+        """Run ``undo()`` on close (for what has no handle, or a mode that may already be off)."""
+        self._undo.append(lambda exc: undo())
+
+    def __len__(self) -> int:
+        return len(self._undo)
+
+    # -- the lifecycle ---------------------------------------------------------------------------
+    def open(self, install: Callable[["HookScope"], None]) -> None:
+        """Run ``install(scope)`` with a Stop held; on any failure, undo what it installed and re-raise."""
+        try:
+            with deferred_interrupts():  # a Stop now is raised once everything is installed...
+                install(self)
+        except BaseException:
+            self.close()  # ...and then all of it is removed again
+            raise
+
+    def close(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> None:
+        """Undo everything, last installed first; safe to call again (then it undoes nothing)."""
+        info: _ExcInfo = (exc_type, exc, tb) if exc_type is not None else _NO_EXC
+        try:
+            with deferred_interrupts():  # a Stop here is raised once everything is undone
+                self._undo_all(info)
+        finally:
+            self._undo_all(info)  # if a Stop came before the block above took effect; else a no-op
+
+    def _undo_all(self, info: _ExcInfo) -> None:
+        failures: list[BaseException] = []
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo(info)
+            except BaseException as failure:  # keep undoing: a mode left behind breaks the user's session
+                failures.append(failure)
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"also failed while removing a recorder's hooks: {type(other).__name__}: {other}")
+            raise first
