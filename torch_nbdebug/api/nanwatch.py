@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
@@ -128,7 +128,7 @@ class NanWatch:
             raise
         return self.report
 
-    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> Literal[False]:
         global _last
         recording: Optional[NanRecording] = None
         try:
@@ -286,7 +286,7 @@ def nanwatch(*, mode: str = "op", backward: bool = True, optimizer: bool = True,
         defer = _cuda_in_use()
     options = dict(mode=mode, backward=backward, optimizer=optimizer, ignore_inf=ignore_inf,
                    raise_on_birth=raise_on_birth, defer=defer, max_events=max_events)
-    options["replay"] = uses_replay(replay, mode, defer, raise_on_birth)  # (what the recorder will do)
+    options["replay"] = uses_replay(replay, "module" if mode == "module" else "op", defer, raise_on_birth)  # (what the recorder will do)
     caller = caller_frame() if namespace is None else None  # the one definition of "the caller"
     return NanWatch(namespace, options, caller)
 

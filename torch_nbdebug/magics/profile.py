@@ -5,19 +5,19 @@ import contextlib
 from typing import Any, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from torch_nbdebug.api.profile import profile
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, keep_report, live_view, parse_args, show_last, tensorboard_dir, \
+from torch_nbdebug.magics._common import CellBody, ToolMagics, keep_report, live_view, parse_args, show_last, tensorboard_dir, \
     unquote, usage_errors
 from torch_nbdebug.magics._live import ProfileProgress
 
 
 @magics_class
-class ProfileMagics(Magics):
+class ProfileMagics(ToolMagics):
     @magic_arguments()
     @argument("--steps", type=int, default=20,
               help="profile this many steps after the warm-up, then let the cell run on unprofiled (default 20; "
@@ -50,7 +50,7 @@ class ProfileMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the user's traceback
         args = parse_args(self.profile, line)
         if cell is None:
-            return show_last(self.shell.user_ns.get("_profile"), args, "profile", "profile a training step", display)
+            return show_last(self.user_ns.get("_profile"), args, "profile", "profile a training step", display)
         if args.steps < 0:
             raise UsageError(f"%%profile --steps {args.steps}: pass a number of steps, e.g. --steps 20 (0: all)")
         if args.warmup < 0:
@@ -61,7 +61,7 @@ class ProfileMagics(Magics):
         logdir = tensorboard_dir(args.tensorboard, "%%profile")
         body = CellBody(self.shell, cell, "profile")  # a bad cell is a UsageError before profiling
         try:
-            prof = profile(self.shell.user_ns, steps=args.steps or None, warmup=args.warmup, trace=trace,
+            prof = profile(self.user_ns, steps=args.steps or None, warmup=args.warmup, trace=trace,
                            tensorboard=logdir, tidy=args.tidy)
         except InputError as exc:
             raise usage_errors(exc) from None

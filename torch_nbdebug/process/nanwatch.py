@@ -6,7 +6,7 @@ op, the phase and the input statistics do.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.data.stats import TensorStats
@@ -201,10 +201,10 @@ def mark_births(layers: Sequence[LayerStats], events: Sequence[NanEvent]) -> tup
 
 
 def summarize_watch(events: Sequence[NanEvent], absorbed_idx: set[int], layers: Sequence[LayerStats],
-                    **fields: object) -> NanSummary:
+                    **fields: Any) -> NanSummary:
     """Split absorbed births off, add hints, mark the birth row: the report's data."""
     kept = [e for i, e in enumerate(events) if i not in absorbed_idx]
     gone = [dataclasses.replace(e, cause=cause_of(e), hint=hint(e)) for i, e in enumerate(events) if i in absorbed_idx]
     kept_h = with_hints(kept, gone)
-    return NanSummary(events=kept_h, absorbed=tuple(gone), layers=mark_births(layers, kept_h),  # type: ignore[arg-type]
+    return NanSummary(events=kept_h, absorbed=tuple(gone), layers=mark_births(layers, kept_h),
                       **fields)

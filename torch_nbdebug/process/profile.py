@@ -73,7 +73,8 @@ class _Tree:
                         and events[i].thread == main and self.phase[i] != "data"]
 
     def _parents_first(self) -> list[int]:
-        order, seen = [], [False] * len(self.events)
+        order: list[int] = []
+        seen = [False] * len(self.events)
         for i in range(len(self.events)):
             chain = []
             j = i
@@ -191,7 +192,7 @@ def summarize(capture: Capture, warmup: int = 1) -> ProfileData:
     mean_step = sum(s.ms for s in steps) / count
     modules = _modules(tree, kept, count, mean_step, capture)
     lines = _lines(capture, tree, kept, count, mean_step, segments, seg_starts)
-    ops = _ops(tree, kept, count, mean_step, capture.device)
+    op_rows = _ops(tree, kept, count, mean_step, capture.device)
     median_step = sorted(steps, key=lambda s: s.ms)[len(steps) // 2] if steps else None
     timeline: tuple[Segment, ...] = ()
     if median_step is not None:
@@ -199,9 +200,9 @@ def summarize(capture: Capture, warmup: int = 1) -> ProfileData:
         timeline = _thin([Segment((s.start - lo) / 1000, (s.end - lo) / 1000, s.category, s.label)
                           for s in _clip(segments, seg_starts, lo, hi)])
     kept_ops = [tree.events[i].end - tree.events[i].start for t, i in op_start if _in(t, kept, [w[0] for w in kept])]
-    figures = Figures.of(steps, modules, lines, ops, capture.device, has_device,
+    figures = Figures.of(steps, modules, lines, op_rows, capture.device, has_device,
                          statistics.median(kept_ops) if kept_ops else 0.0)
-    data = ProfileData(steps=tuple(steps), modules=modules, lines=lines, ops=ops, timeline=timeline,
+    data = ProfileData(steps=tuple(steps), modules=modules, lines=lines, ops=op_rows, timeline=timeline,
                        timeline_step=median_step.number if median_step else 0, verdict=decide(figures),
                        device=capture.device, step_source=source, warmup=skip, steps_seen=capture.steps_seen,
                        status=capture.status, patterns=capture.patterns, notes=tuple(notes))

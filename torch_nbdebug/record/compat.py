@@ -11,6 +11,7 @@ This module imports torch only (plus the package's one error class, which import
 """
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 import threading
@@ -237,7 +238,7 @@ def tensor_version(t: torch.Tensor) -> int:
 def buffer_registry(module: torch.nn.Module) -> dict[str, Any]:
     """The module's own buffer dict (``_buffers``), the one ``register_buffer`` writes: a replay swaps
     clones in and puts the originals back without a ``register_buffer`` call per buffer."""
-    return module._buffers  # type: ignore[return-value]
+    return cast(dict[str, Any], module._buffers)
 
 
 def own_parameters(module: torch.nn.Module) -> list[Any]:
@@ -248,6 +249,18 @@ def own_parameters(module: torch.nn.Module) -> list[Any]:
 def child_modules(module: torch.nn.Module) -> list[Any]:
     """The module's direct children, ``None`` entries included, in order (``_modules``)."""
     return list(module._modules.values())
+
+
+def module_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The module's own parameter, buffer and child dicts (live, not copies): what an attribute name of the
+    module itself holds, read without a descriptor or ``__getattr__``."""
+    return (cast(dict[str, Any], module._parameters), cast(dict[str, Any], module._buffers),
+            cast(dict[str, Any], module._modules))
+
+
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor a view was made from (``_base``), or None for a tensor that is no view."""
+    return t._base if t._is_view() else None
 
 
 def node_saved_attributes(node: Any) -> list[str]:
@@ -291,8 +304,8 @@ def flight_recorder_dump() -> Optional[str]:
     """Flight Recorder's record of this process's collectives as JSON text (collectives and stack traces
     included), or None when this torch has none."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError:
+        _dump_fr_trace_json = getattr(importlib.import_module("torch._C._distributed_c10d"), "_dump_fr_trace_json")
+    except (ImportError, AttributeError):
         return None
     try:
         return _dump_fr_trace_json(True, True)
@@ -725,7 +738,7 @@ def profiler_anti_patterns(prof: Any) -> tuple[tuple[str, str, int], ...]:
     """``(name, description, matches)`` for each TorchTidy anti-pattern found in a stopped profile;
     ``()`` where this torch has no pattern matcher."""
     try:
-        import torch.profiler._pattern_matcher as matcher
+        matcher = importlib.import_module("torch.profiler._pattern_matcher")  # not in every torch (2.14.1)
 
         shared = _OneTree(prof)
     except Exception:  # noqa: BLE001 - no matcher in this torch, or no result to match: nothing to list

@@ -82,7 +82,8 @@ class SignalTimer:
     None from :meth:`create` where there is none."""
 
     def __init__(self, libc: Any, timer: ctypes.c_void_p) -> None:
-        self._libc, self._timer = libc, timer
+        self._libc = libc
+        self._timer: Optional[ctypes.c_void_p] = timer
 
     @classmethod
     def create(cls, interval: float) -> Optional["SignalTimer"]:

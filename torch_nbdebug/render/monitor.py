@@ -135,7 +135,7 @@ def figure_png(history: MonitorHistory, alerts: tuple[Alert, ...], smoothing: fl
             ax.grid(alpha=0.3)
         fig.tight_layout(pad=0.4)
 
-    return png(draw, _FIGURE_WIDTH, 150 * (len(panels) + has_layers) + 20)
+    return png(draw, _FIGURE_WIDTH, 150 * (len(panels) + int(has_layers)) + 20)
 
 
 def _y_range(ax: Any, series: np.ndarray, smoothed: np.ndarray) -> None:
@@ -223,7 +223,7 @@ class MonitorView(View):
     ratios = traitlets.Bytes(b"").tag(sync=True)      # float32 [m, layers]
     smoothing = traitlets.Float(0.6).tag(sync=True)
     log_scale = traitlets.Bool(False).tag(sync=True)
-    zoom = traitlets.List([]).tag(sync=True)          # [first step, last step] or [] for everything
+    zoom: traitlets.List[Any] = traitlets.List([]).tag(sync=True)          # [first step, last step] or [] for everything
     panel = traitlets.Unicode("norm").tag(sync=True)  # "norm" or "ratio"
 
 

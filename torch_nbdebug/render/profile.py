@@ -171,7 +171,7 @@ class ProfileView(View):
     _esm = esm_path("profile.js")
     _css = esm_path("base.css")
     report = traitlets.Dict().tag(sync=True)      # the summary (ProfileData.to_dict) plus labels and colours
-    zoom = traitlets.List([]).tag(sync=True)      # [start ms, end ms] of the timeline, or [] for all of it
+    zoom: traitlets.List[Any] = traitlets.List([]).tag(sync=True)      # [start ms, end ms] of the timeline, or [] for all of it
     opened = traitlets.Int(-1).tag(sync=True)     # the line row opened (-1: none)
 
 

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.data.explain import CutEvent, InplaceEvent, OpSite, OptimizerStep, Recording
-from torch_nbdebug.record.compat import (function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
+from torch_nbdebug.record.compat import (view_base, function_mode_at, function_stack_len, next_sequence_nr, node_sequence_nr,
                                          pop_function_mode, push_function_mode, tensor_version)
 from torch_nbdebug.record.explain.indices import check_index_arguments
 from torch_nbdebug.record.lifecycle import HookScope
@@ -228,7 +228,7 @@ class ExplainRecorder:
         if target is None or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         node = target.grad_fn
-        base = target._base if target._is_view() else None
+        base = view_base(target)
         if base is not None and base.grad_fn is not None:
             node = base.grad_fn
         # A tensor outside autograd that gets a value requiring grad (``h[:, t] = out`` into zeros) is

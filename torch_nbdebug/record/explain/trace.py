@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torch_nbdebug.data.explain import FailureFacts, Operand
-from torch_nbdebug.record.compat import node_sequence_nr, tensor_version
+from torch_nbdebug.record.compat import module_registries, node_sequence_nr, tensor_version
 from torch_nbdebug.record.explain.frames import (Frames, call_site, loss_facts, made_facts, made_in_forward,
                                                  module_locals, module_of, user_locals)
 from torch_nbdebug.record.modules import module_roots, qualified_names
@@ -283,7 +283,7 @@ def _eval(node: ast.AST, local: Mapping[str, Any], glob: Mapping[str, Any]) -> A
 def _static_attr(obj: Any, name: str) -> Any:
     """An attribute from the object's own storage, never through a descriptor or ``__getattr__``."""
     if isinstance(obj, nn.Module):
-        for store in (obj._parameters, obj._buffers, obj._modules):
+        for store in module_registries(obj):
             if name in store:
                 return store[name]
     own = getattr(obj, "__dict__", None)

@@ -19,7 +19,7 @@ from torch import nn
 from torch_nbdebug.data.memory import SAVED_BY_GRAPH
 from torch_nbdebug.record.modules import module_roots, parameter_names, user_named_modules, user_named_parameters
 from torch_nbdebug.record.source import UserNamespace, caller_namespace
-from torch_nbdebug.record.compat import is_fake, node_saved_attributes
+from torch_nbdebug.record.compat import buffer_registry, is_fake, node_saved_attributes
 from torch_nbdebug.record.memory.ops import measurable
 from torch_nbdebug.record.tensors import storage_key
 
@@ -229,7 +229,7 @@ def _module_children(name: str, module: nn.Module) -> Iterator[tuple[str, Any]]:
     yield from ((f"{name}.{k}", v) for k, v in user_named_parameters(module))
     for sub_name, sub in user_named_modules(module):
         prefix = f"{name}.{sub_name}" if sub_name else name
-        yield from ((f"{prefix}.{k}", v) for k, v in sub._buffers.items() if v is not None)
+        yield from ((f"{prefix}.{k}", v) for k, v in buffer_registry(sub).items() if v is not None)
         yield from ((f"{prefix}.{k}", v) for k, v in vars(sub).items()
                     if type(k) is str and not k.startswith("_") and k != "training")
 

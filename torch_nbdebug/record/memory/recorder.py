@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torch_nbdebug.data.memory import CATEGORIES, PHASES, Allocation, MemoryRecording
 from torch_nbdebug.data.source import SourceLine
-from torch_nbdebug.record.compat import (
+from torch_nbdebug.record.compat import (own_parameters, 
     EagerDispatchMode, current_autograd_node, op_output_aliases_input, storage_id_of,
 )
 from torch_nbdebug.record.interrupts import CallbackQueue, WeakIdMap
@@ -369,7 +369,7 @@ class MemoryRecorder:
                     self.on_forward()
                 except Exception:  # noqa: BLE001 - a live view must never break the user's code
                     self.on_forward = None
-        self._classify_tensors(module._parameters.values(), PARAM)
+        self._classify_tensors(own_parameters(module), PARAM)
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._frees.drain()

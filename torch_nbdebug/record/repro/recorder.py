@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
-from torch_nbdebug.record.compat import (StorageWeakRef, TorchDispatchMode, current_autograd_node,
+from torch_nbdebug.record.compat import (tensor_version, StorageWeakRef, TorchDispatchMode, current_autograd_node,
                                          next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
 from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleTracker
@@ -219,7 +219,7 @@ class ReproRecorder:
         for _, t in reads:
             known = self._known.get(tensor_key(t))
             garbage = bool(self._uninit) and not info.is_view and storage_key(t) in self._uninit
-            if known is not None and known[0] == t._version and known[1] == _address(t) and not garbage:
+            if known is not None and known[0] == tensor_version(t) and known[1] == _address(t) and not garbage:
                 slots.append(known[2])
                 origins.append(None)
                 continue
@@ -347,7 +347,7 @@ class ReproRecorder:
         when neither it nor anything on its storage was written since; else None."""
         key = storage_key(t)
         entry = self._views.get(_geometry(t, key)) if key is not None else None
-        if entry is None or entry[0] != t._version or entry[1] != _address(t) or entry[2] != self._writes.get(key, 0):
+        if entry is None or entry[0] != tensor_version(t) or entry[1] != _address(t) or entry[2] != self._writes.get(key, 0):
             return None
         return entry[3]
 
@@ -355,7 +355,7 @@ class ReproRecorder:
         if slot is None:
             return
         try:
-            self._known[tensor_key(t)] = (t._version + bump if version is None else version, _address(t), slot)
+            self._known[tensor_key(t)] = (tensor_version(t) + bump if version is None else version, _address(t), slot)
         except (TypeError, RuntimeError):  # tensors without a version counter (inference tensors)
             pass
 
@@ -441,7 +441,7 @@ def _base_version(named: list[tuple[str, torch.Tensor]], key: int) -> Optional[i
     for _, base in named:
         if storage_key(base) == key:
             try:
-                return base._version
+                return tensor_version(base)
             except (TypeError, RuntimeError):  # inference tensors have no version counter
                 return None
     return None

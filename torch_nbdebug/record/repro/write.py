@@ -47,5 +47,5 @@ def write_out_of_place(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _fits(new: Any, old: torch.Tensor) -> bool:
     """Whether ``new`` can be ``old``'s memory: same dtype, device, shape and strides."""
-    return isinstance(new, torch.Tensor) and new.dtype == old.dtype and new.device == old.device and \
-        new.shape == old.shape and new.stride() == old.stride() and new.storage_offset() == 0
+    return bool(isinstance(new, torch.Tensor) and new.dtype == old.dtype and new.device == old.device and
+                new.shape == old.shape and new.stride() == old.stride() and new.storage_offset() == 0)

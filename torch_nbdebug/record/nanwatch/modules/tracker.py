@@ -75,5 +75,5 @@ def not_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
     if _untraced_call is None:
         _untraced_call = torch.compiler.disable(_call)
     wrapped = functools.partial(_untraced_call, hook)
-    wrapped.__module__ = getattr(getattr(hook, "__func__", hook), "__module__", None)  # type: ignore[attr-defined,assignment]
+    wrapped.__module__ = getattr(getattr(hook, "__func__", hook), "__module__", None)  # type: ignore[assignment]
     return wrapped
