@@ -5,7 +5,6 @@ exception passes through unchanged (a ``NanBirthError`` from ``raise_on_birth`` 
 """
 from __future__ import annotations
 
-import dataclasses
 import types
 import weakref
 from typing import Any, Iterator, Literal, Mapping, Optional
@@ -14,7 +13,6 @@ from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
 from torch_nbdebug.record.compiled import CompiledCode
-from torch_nbdebug.record.collectives import StepClock
 from torch_nbdebug.record.modules import module_at, module_roots
 from torch_nbdebug.record.nanwatch import NanRecorder, NanRecording, uses_replay
 from torch_nbdebug.record.source import (UserNamespace, caller_frame, caller_namespace, cell_number, cell_source,
@@ -118,20 +116,12 @@ class NanWatch:
         # torch.compile drop the compiled code for good) or each module's output (module mode; compiled,
         # only dynamo's fused GraphModule is seen) is checked, and compiled again afterwards.
         self._compiled: Optional[CompiledCode] = CompiledCode(self._live, _COMPILED_PURPOSE[options["mode"]])
-        # Optimizer steps completed before each iteration: a birth's step on the one step axis, also when
-        # several forward/backward passes make one step (gradient accumulation).
-        self._steps = StepClock(self._recorder.clock.next_iteration)
 
     def __enter__(self) -> NanReport:
         if self._compiled is not None:
             self._compiled.__enter__()
         try:
             self._recorder.start()
-            try:
-                self._steps.start()
-            except BaseException:
-                self._recorder.stop()
-                raise
         except BaseException:
             if self._compiled is not None:
                 self._compiled.__exit__(None, None, None)
@@ -142,7 +132,6 @@ class NanWatch:
         global _last
         recording: Optional[NanRecording] = None
         try:
-            self._steps.stop()
             recording = self._recorder.stop()
         finally:
             try:
@@ -168,9 +157,7 @@ class NanWatch:
             notes.append(self._compiled.note)
         if self._live.skipped:
             notes.append(skipped_note(self._live.skipped))
-        events = [e if e.phase == "optimizer" else dataclasses.replace(e, steps_before=self._steps.step_of(e.iteration))
-                  for e in rec.events]
-        summary = summarize_watch(events, set(rec.absorbed), rec.layers, mode=rec.options.mode,
+        summary = summarize_watch(rec.events, set(rec.absorbed), rec.layers, mode=rec.options.mode,
                                   ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.dropped,
                                   notes=tuple(notes), options=dict(self.options))
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
@@ -200,6 +187,8 @@ def _complete_error(exc: NanBirthError, report: NanReport) -> None:
 
 def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
     """Attach the source of the first event's cell (and of every other event's file) for highlighting."""
+    import dataclasses
+
     if not filename:
         return summary
     first_line, text = _source_window(filename, summary.first.lineno if summary.first is not None else None)
@@ -214,6 +203,8 @@ def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
 def _with_cells(summary: NanSummary) -> NanSummary:
     """The cell the watch ran in and each event's cell, so a view says ``In [2], line 3`` for a line
     that is not in the cell it is shown under."""
+    import dataclasses
+
     files = {e.filename for e in summary.events + summary.absorbed if e.filename}
     cells = tuple((name, number) for name in sorted(files) if (number := cell_number(name)) is not None)
     return dataclasses.replace(summary, cell=running_cell_number(), cells=cells)

@@ -42,7 +42,13 @@ def _nanwatch(args: Any, namespace: Mapping[str, Any]) -> Started:
                      ignore_inf=args.ignore_inf, raise_on_birth=args.raise_on_birth, namespace=namespace,
                      max_events=args.max_events, replay=False if args.no_replay else None)
     return Started(watch, births=lambda: list(watch._recorder.log.events),
-                   iteration=watch._recorder.clock.next_iteration)
+                   iteration=lambda: _next_iteration(watch._recorder.clock))
+
+
+def _next_iteration(clock: Any) -> int:
+    """The number nanwatch gives the next loop iteration: its clock moves on at the first forward op after a
+    backward (an optimizer's own ops can already have moved it when the step's post-hook runs)."""
+    return clock.iteration + (1 if clock.saw_backward else 0)
 
 
 def _cudamem(args: Any, namespace: Mapping[str, Any]) -> Started:

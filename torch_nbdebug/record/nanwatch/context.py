@@ -58,11 +58,6 @@ class Clock:
             self.saw_backward = False
             self.iteration += 1
 
-    def next_iteration(self) -> int:
-        """The number the next iteration will get: it starts at the first forward after a backward (an
-        optimizer's own ops can already have moved the clock when a step's post-hook runs)."""
-        return self.iteration + (1 if self.saw_backward else 0)
-
 
 class LrGrowth(Protocol):
     def growth(self) -> Optional[tuple[float, int]]:
