@@ -271,3 +271,20 @@ def test_deferred_where_trap_still_reports_the_backward_birth() -> None:
     ops_seen = [(e.phase, e.op) for e in report.events]
     assert ("backward", "LogBackward0") in ops_seen
     assert all(e.lineno == line("# @deferred-where") for e in report.events)
+
+
+def test_a_step_of_several_passes_is_one_step() -> None:
+    """Gradient accumulation: two forward/backward passes an optimizer step. A NaN made in the second pass
+    of the third step (two steps completed before it) is step 2, as %%monitor and %%grads count it."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch() as report:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                xb = torch.full((1, 2), -5.0) if (step, micro) == (2, 1) else torch.ones(1, 2)
+                (model(xb) * torch.sqrt(xb + 3.0)).sum().backward()  # @accumulated
+            opt.step()
+    first = report.first
+    assert (first.phase, first.iteration, first.step) == ("forward", 6, 2)
+    assert first.lineno == line("# @accumulated") and first.to_dict()["step"] == 2

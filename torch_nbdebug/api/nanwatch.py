@@ -5,6 +5,7 @@ exception passes through unchanged (a ``NanBirthError`` from ``raise_on_birth`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from typing import Any, Iterator, Literal, Mapping, Optional
@@ -157,7 +158,9 @@ class NanWatch:
             notes.append(self._compiled.note)
         if self._live.skipped:
             notes.append(skipped_note(self._live.skipped))
-        summary = summarize_watch(rec.events, set(rec.absorbed), rec.layers, mode=rec.options.mode,
+        events = [e if e.phase == "optimizer" else dataclasses.replace(e, steps_before=rec.steps_before(e.iteration))
+                  for e in rec.events]
+        summary = summarize_watch(events, set(rec.absorbed), rec.layers, mode=rec.options.mode,
                                   ops_seen=rec.ops_seen, ops_checked=rec.ops_checked, dropped=rec.dropped,
                                   notes=tuple(notes), options=dict(self.options))
         filename = summary.first.filename if summary.first is not None and summary.first.filename else self._caller_file
@@ -187,8 +190,6 @@ def _complete_error(exc: NanBirthError, report: NanReport) -> None:
 
 def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
     """Attach the source of the first event's cell (and of every other event's file) for highlighting."""
-    import dataclasses
-
     if not filename:
         return summary
     first_line, text = _source_window(filename, summary.first.lineno if summary.first is not None else None)
@@ -203,8 +204,6 @@ def _with_source(summary: NanSummary, filename: Optional[str]) -> NanSummary:
 def _with_cells(summary: NanSummary) -> NanSummary:
     """The cell the watch ran in and each event's cell, so a view says ``In [2], line 3`` for a line
     that is not in the cell it is shown under."""
-    import dataclasses
-
     files = {e.filename for e in summary.events + summary.absorbed if e.filename}
     cells = tuple((name, number) for name in sorted(files) if (number := cell_number(name)) is not None)
     return dataclasses.replace(summary, cell=running_cell_number(), cells=cells)

@@ -90,12 +90,15 @@ class NanEvent:
     eps: Optional[float] = None
     grad_finite: Optional[bool] = None
     input_op: Optional[str] = None
+    steps_before: Optional[int] = None  # optimizer steps completed before it, as the watch counted them
 
     @property
     def step(self) -> int:
-        """The optimizer steps completed before the birth, from 0 (``iteration - 1``): the step every tool
-        shows. For an ``"optimizer"`` event, the step whose update made it."""
-        return self.iteration - 1
+        """The optimizer steps completed before the birth, from 0: the step every tool shows (with several
+        forward/backward passes a step, gradient accumulation, the steps the watch counted, not the passes;
+        ``iteration - 1`` when optimizer steps were not watched). For an ``"optimizer"`` event, the step
+        whose update made it."""
+        return self.steps_before if self.steps_before is not None else self.iteration - 1
 
     @property
     def where(self) -> str:

@@ -45,18 +45,30 @@ def uses_replay(replay: bool, mode: Mode, defer: bool, raise_on_birth: bool) -> 
 
 
 class Clock:
-    """The 1-based iteration: a forward after a backward starts the next one."""
+    """The 1-based iteration: a forward after a backward starts the next one. ``starts`` also says how many
+    optimizer steps had completed when each iteration began (a step of several forward/backward passes,
+    gradient accumulation, is still one step)."""
 
-    __slots__ = ("iteration", "saw_backward")
+    __slots__ = ("iteration", "saw_backward", "steps", "starts")
 
     def __init__(self) -> None:
         self.iteration = 1
         self.saw_backward = False
+        self.steps = 0
+        self.starts: list[tuple[int, int]] = [(1, 0)]  # (iteration, optimizer steps completed before it)
 
     def forward(self) -> None:
         if self.saw_backward:
             self.saw_backward = False
             self.iteration += 1
+
+    def stepped(self) -> None:
+        """An optimizer step of the watched thread completed: the next iteration starts after it (an
+        optimizer's own ops may already have moved the clock when its post-hook runs)."""
+        self.steps += 1
+        nxt = self.iteration + (1 if self.saw_backward else 0)
+        if nxt > self.starts[-1][0]:
+            self.starts.append((nxt, self.steps))
 
 
 class LrGrowth(Protocol):

@@ -105,7 +105,8 @@ class NanRecorder:
         return NanRecording(self.options, tuple(log.events), frozenset(log.absorbed), self.layers.rows(set()),
                             self.ops_seen, self.ops_checked, log.dropped, log.full(), tuple(sorted(log.scaler_skips)),
                             self.saw_torch(), self.modules.other_thread,
-                            tuple(replayer.notes if replayer is not None else ()) + tuple(self.errors))
+                            tuple(replayer.notes if replayer is not None else ()) + tuple(self.errors),
+                            tuple(self.clock.starts) if self.optim is not None else ())
 
     # -- lifetime --------------------------------------------------------------------------
     def __enter__(self) -> "NanRecorder":

@@ -3,6 +3,7 @@ data, no tensor and nothing of the user's; ``api/nanwatch.py`` builds the report
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent
 from torch_nbdebug.record.nanwatch.context import WatchOptions
@@ -26,3 +27,15 @@ class NanRecording:
     saw_torch: bool = False
     other_thread: bool = False
     notes: tuple[str, ...] = ()
+    # (iteration, optimizer steps completed before it) at each iteration that began after a step; () when
+    # optimizer steps were not watched (then a birth's step is its iteration's, from 0)
+    step_starts: tuple[tuple[int, int], ...] = ()
+
+    def steps_before(self, iteration: int) -> Optional[int]:
+        """Optimizer steps completed before ``iteration`` began, or None when steps were not counted."""
+        best: Optional[int] = None
+        for start, steps in self.step_starts:
+            if start > iteration:
+                break
+            best = steps
+        return best

@@ -146,6 +146,7 @@ class OptimizerWatch:
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread:
             return
+        self.ctx.clock.stepped()
         try:
             self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
             record = self._record(opt, deferred=self.deferred is not None)
