@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
-from IPython.core.magic_arguments import parse_argstring
+from IPython.core.magic_arguments import argument, parse_argstring
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torch_nbdebug.errors import InputError
@@ -31,6 +31,16 @@ class ToolMagics(Magics):
             raise UsageError("these magics are not registered with an IPython shell: run %load_ext torch_nbdebug")
         namespace: dict[str, Any] = self.shell.user_ns
         return namespace
+
+
+def report_options(returned: str, shown: str, key: str, dest: str = "return_report") -> Callable[[F], F]:
+    """The ``-o`` and ``-q`` options of a recording magic: ``-o`` returns ``returned`` (stored as ``key``
+    either way), ``-q`` does not display ``shown``. Apply it where the two ``@argument`` lines would go."""
+    def apply(func: F) -> F:
+        quiet = argument("-q", "--quiet", action="store_true", help=f"do not display {shown} (still stored as {key})")
+        output = argument("-o", dest=dest, action="store_true", help=f"return {returned} (it is also stored as {key})")
+        return output(quiet(func))
+    return apply
 
 
 def parse_args(func: Callable[..., Any], line: str) -> Any:

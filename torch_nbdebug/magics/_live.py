@@ -41,16 +41,25 @@ def _finite(values: np.ndarray) -> list[Optional[float]]:
     return [float(v) if math.isfinite(v) else None for v in values]
 
 
-class NanwatchProgress:
-    """Births so far (how many, and where: phase, op, module, line) and the ops checked."""
+class _RecorderProgress:
+    """A live view's progress over an API object's recorder, read at each update: empty once the
+    block has ended (the recorder is gone)."""
 
-    def __init__(self, watch: Any) -> None:
-        self._watch = watch
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
 
     def __call__(self) -> Progress:
-        rec = _recorder(self._watch)
-        if rec is None:
-            return Progress(status="")
+        rec = _recorder(self._owner)
+        return Progress(status="") if rec is None else self._read(rec)
+
+    def _read(self, rec: Any) -> Progress:
+        raise NotImplementedError
+
+
+class NanwatchProgress(_RecorderProgress):
+    """Births so far (how many, and where: phase, op, module, line) and the ops checked."""
+
+    def _read(self, rec: Any) -> Progress:
         events = rec.log.events[:MAX_ROWS]
         count = len(rec.log.events) + rec.log.dropped
         if not count:
@@ -63,20 +72,17 @@ class NanwatchProgress:
         return Progress(status=f"{_plural(count, 'NaN/Inf birth')} so far", alert=True, panels=[table])
 
 
-class GradsProgress:
+class GradsProgress(_RecorderProgress):
     """The gradient norm of the whole model and of up to ``MAX_LAYERS`` layers over the steps so far."""
 
     def __init__(self, recording: Any) -> None:
-        self._recording = recording
+        super().__init__(recording)
         self._kind: Optional[str] = None
         self._steps: list[int] = []
         self._norms: list[np.ndarray] = []
         self._names: tuple[str, ...] = ()
 
-    def __call__(self) -> Progress:
-        rec = _recorder(self._recording)
-        if rec is None:
-            return Progress(status="")
+    def _read(self, rec: Any) -> Progress:
         since = len(self._steps)
         kind, steps, norms, names = rec.progress(since)
         if kind != self._kind:  # the first optimizer step restarts the rows (backward-only rows dropped)
@@ -107,21 +113,18 @@ class GradsProgress:
         return Progress(status=f"gradient norm {last:.3g} at {where}", panels=[panel])
 
 
-class MemoryProgress:
+class MemoryProgress(_RecorderProgress):
     """Bytes alive by category, sampled at each update (time in seconds since the recording started),
     and the model calls so far. Updates come at optimizer steps and at top-level forward calls, so a
     forward-only loop (evaluation) is shown while it runs too (see :meth:`follow_forward`)."""
 
     def __init__(self, scope: Any) -> None:
-        self._scope = scope
+        super().__init__(scope)
         self._times: list[float] = []
         self._bytes: list[tuple[int, ...]] = []
         self._peak = 0
 
-    def __call__(self) -> Progress:
-        rec = _recorder(self._scope)
-        if rec is None:
-            return Progress(status="")
+    def _read(self, rec: Any) -> Progress:
         seconds, totals = rec.progress()
         self._times.append(round(seconds, 3))
         self._bytes.append(totals)
@@ -139,23 +142,17 @@ class MemoryProgress:
     def follow_forward(self, live: Any) -> None:
         """Update ``live`` at the recorder's top-level forward calls when an update is due (a forward-only
         loop makes no optimizer step to tick it). Call once recording has started."""
-        rec = _recorder(self._scope)
+        rec = _recorder(self._owner)
         if rec is None or not getattr(live, "active", False):
             return
         limiter = RateLimiter(live_views.DEFAULT_INTERVAL)  # read now: the live display's own interval
         rec.on_forward = lambda: live.update() if limiter.due() else None
 
 
-class ProfileProgress:
+class ProfileProgress(_RecorderProgress):
     """How far the profiling is: optimizer steps seen, the warm-up, and whether the profiler still runs."""
 
-    def __init__(self, prof: Any) -> None:
-        self._prof = prof
-
-    def __call__(self) -> Progress:
-        rec = _recorder(self._prof)
-        if rec is None:
-            return Progress(status="")
+    def _read(self, rec: Any) -> Progress:
         seen, warmup, steps = rec.stepped, rec.warmup, rec.steps
         if not rec.profiling:
             return Progress(status=f"{_plural(seen, 'optimizer step')} so far: profiling done, the cell runs on "

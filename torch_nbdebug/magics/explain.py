@@ -11,7 +11,7 @@ from IPython.display import display
 
 from torch_nbdebug.api.explain import Diagnosis, explain, explain_exception
 from torch_nbdebug.magics import explain_hook
-from torch_nbdebug.magics._common import ToolMagics, parse_args, require_body, run_body
+from torch_nbdebug.magics._common import ToolMagics, parse_args, report_options, require_body, run_body
 
 
 # (id of the exception, its diagnosis) of the last %%explain run that failed: %explain shows that one
@@ -27,9 +27,7 @@ class ExplainMagics(ToolMagics):
                    "device-side assert")
     @argument("--auto", choices=("on", "off"),
               help="turn the automatic one-paragraph explanation under every PyTorch traceback on or off")
-    @argument("-o", dest="return_diagnosis", action="store_true",
-              help="return the diagnosis (it is also stored as _explain)")
-    @argument("-q", "--quiet", action="store_true", help="do not display the explanation (still stored as _explain)")
+    @report_options("the diagnosis", "the explanation", "_explain", dest="return_diagnosis")
     @line_cell_magic
     def explain(self, line: str, cell: Optional[str] = None) -> Any:
         """Explain a PyTorch error: which op, module and line, the culprit, the operands and the fix.

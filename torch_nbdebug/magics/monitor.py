@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import line_cell_magic, magics_class
@@ -12,8 +12,8 @@ from IPython.display import display
 
 from torch_nbdebug.api.monitor import Monitor, Rules, monitor
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, require_body, show_last,
-                                          unquote, usage_errors)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, report_options,
+                                          require_body, show_last, unquote, usage_errors)
 from torch_nbdebug.render.live import LiveDisplay
 
 # Options that take a value, and flags: the expressions after them are kept as written (quotes
@@ -23,6 +23,29 @@ _VALUED = ("--every", "--spike", "--spike-window", "--plateau", "--plateau-tol",
 _FLAGS = ("--no-layers", "--no-ratio", "-o", "-q", "--quiet")
 _TOKEN = re.compile(r"""\s*("[^"]*"|'[^']*'|\S+)""")
 _OPTION_LATE = re.compile(r"(?:^|\s)(" + "|".join(re.escape(o) for o in _VALUED + _FLAGS) + r")(?=[\s=]|$)")
+# The alert rules' options: the Rules field each sets and what it does (its default is the field's).
+_RULE_OPTIONS = (
+    ("--spike", "spike_factor", "alert when a value exceeds this many times its running median"),
+    ("--spike-window", "spike_window", "points in the running median"),
+    ("--plateau", "plateau_window", "alert when the first value has not improved for this many points"),
+    ("--plateau-tol", "plateau_tol", "relative improvement that counts"),
+    ("--vanishing", "vanishing", "alert when a layer's gradient norm is below this"),
+    ("--exploding", "exploding", "alert when a layer's gradient norm is above this"),
+)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _dest(flag: str) -> str:
+    """argparse's name for an option's value: ``--spike-window`` -> ``spike_window``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _rule_options(func: F) -> F:
+    """One ``@argument`` per alert rule, in the table's order, typed and defaulted as its :class:`Rules` field."""
+    for flag, field, purpose in reversed(_RULE_OPTIONS):
+        default = getattr(Rules, field)
+        func = argument(flag, type=type(default), default=default, help=f"{purpose} (default {default:g})")(func)
+    return func
 
 
 @magics_class
@@ -32,25 +55,12 @@ class MonitorMagics(ToolMagics):
               help="what to watch, comma-separated Python expressions: loss, opt.param_groups[0]['lr'] "
                    "(after the options)")
     @argument("--every", type=int, default=1, help="record every N optimizer steps (default 1)")
-    @argument("--spike", type=float, default=Rules.spike_factor,
-              help=f"alert when a value exceeds this many times its running median (default {Rules.spike_factor:g})")
-    @argument("--spike-window", type=int, default=Rules.spike_window,
-              help=f"points in the running median (default {Rules.spike_window})")
-    @argument("--plateau", type=int, default=Rules.plateau_window,
-              help=f"alert when the first value has not improved for this many points (default {Rules.plateau_window})")
-    @argument("--plateau-tol", type=float, default=Rules.plateau_tol,
-              help=f"relative improvement that counts (default {Rules.plateau_tol:g})")
-    @argument("--vanishing", type=float, default=Rules.vanishing,
-              help=f"alert when a layer's gradient norm is below this (default {Rules.vanishing:g})")
-    @argument("--exploding", type=float, default=Rules.exploding,
-              help=f"alert when a layer's gradient norm is above this (default {Rules.exploding:g})")
+    @_rule_options
     @argument("--no-layers", action="store_true", help="do not record per-layer gradient norms")
     @argument("--no-ratio", action="store_true",
               help="do not record the update/parameter ratio (sampled: 1024 elements per parameter per step)")
     @argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files to DIR")
-    @argument("-o", dest="return_report", action="store_true",
-              help="return the monitor object (it is also stored as _monitor)")
-    @argument("-q", "--quiet", action="store_true", help="do not display the final view (still stored as _monitor)")
+    @report_options("the monitor object", "the final view", "_monitor")
     @line_cell_magic
     def monitor(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell and plot the expressions at every optimizer step, live, with alerts.
@@ -80,8 +90,7 @@ class MonitorMagics(ToolMagics):
         expressions = split_expressions(rest)
         body = CellBody(self.shell, require_body(cell, "monitor"), "monitor")  # bad cells fail before recording
         try:
-            rules = Rules(spike_factor=args.spike, spike_window=args.spike_window, plateau_window=args.plateau,
-                          plateau_tol=args.plateau_tol, vanishing=args.vanishing, exploding=args.exploding)
+            rules = Rules(**{field: getattr(args, _dest(flag)) for flag, field, _ in _RULE_OPTIONS})
             mon = monitor(*expressions, every=args.every, namespace=self.user_ns, rules=rules,
                           layers=not args.no_layers, ratio=not args.no_ratio, tensorboard=unquote(args.tensorboard))
         except (InputError, ImportError) as exc:

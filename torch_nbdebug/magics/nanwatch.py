@@ -10,8 +10,8 @@ from IPython.display import display
 
 from torch_nbdebug.api.nanwatch import NanReport, last_report, nanwatch
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, live_view, parse_args, require_body,
-                                          run_body, show_last, tensorboard_dir, usage_errors, write_tensorboard)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, live_view, parse_args, report_options,
+                                          require_body, run_body, show_last, tensorboard_dir, usage_errors, write_tensorboard)
 from torch_nbdebug.magics._live import NanwatchProgress
 
 
@@ -32,9 +32,7 @@ class NanwatchMagics(ToolMagics):
     @argument("--max-events", type=int, default=50, help="keep at most this many births (default 50)")
     @argument("--tensorboard", default=None, metavar="DIR",
               help="also write the births as TensorBoard event files to DIR (text and a count)")
-    @argument("-o", dest="return_report", action="store_true",
-              help="return the report object (it is also stored as _nanwatch)")
-    @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _nanwatch)")
+    @report_options("the report object", "the report", "_nanwatch")
     @argument("--load", default=None, metavar="DIR",
               help="line magic: show the report a script run wrote (python -m torch_nbdebug nanwatch --out DIR)")
     @line_cell_magic

@@ -11,8 +11,8 @@ from IPython.display import display
 
 from torch_nbdebug.api.profile import profile
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import CellBody, ToolMagics, keep_report, live_view, parse_args, show_last, tensorboard_dir, \
-    unquote, usage_errors
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, live_view, parse_args, report_options,
+                                          show_last, tensorboard_dir, unquote, usage_errors)
 from torch_nbdebug.magics._live import ProfileProgress
 
 
@@ -29,9 +29,7 @@ class ProfileMagics(ToolMagics):
               help="also write the time by category per step (and the trace) for TensorBoard to DIR")
     @argument("--tidy", action="store_true",
               help="also record shapes and Python stacks and list torch's TorchTidy anti-patterns (dearer)")
-    @argument("-o", dest="return_report", action="store_true",
-              help="return the profile (it is also stored as _profile)")
-    @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _profile)")
+    @report_options("the profile", "the report", "_profile")
     @line_cell_magic
     def profile(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell under torch.profiler and say why a step is slow.

@@ -10,8 +10,8 @@ from IPython.display import display
 
 from torch_nbdebug.api.repro import ReproReport, last_report, run_twice
 from torch_nbdebug.errors import InputError
-from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, require_body, run_body,
-                                          show_last, usage_errors)
+from torch_nbdebug.magics._common import (CellBody, ToolMagics, keep_report, parse_args, report_options,
+                                          require_body, run_body, show_last, usage_errors)
 
 
 @magics_class
@@ -19,9 +19,7 @@ class ReproMagics(ToolMagics):
     @magic_arguments()
     @argument("--no-restore-rng", action="store_true",
               help="do not restore the random generators before the second run (find unseeded randomness)")
-    @argument("-o", dest="return_report", action="store_true",
-              help="return the report object (it is also stored as _repro)")
-    @argument("-q", "--quiet", action="store_true", help="do not display the report (still stored as _repro)")
+    @report_options("the report object", "the report", "_repro")
     @line_cell_magic
     def repro(self, line: str, cell: Optional[str] = None) -> Any:
         """Run the cell twice from the same starting state and report whether the two runs agree.
