@@ -212,3 +212,24 @@ def test_module_level_view_keeps_a_leaf_module_with_many_nodes_closed_and_opens_
                           modules=wide_mods, title="wide")
     wide_hier = pg.build_hierarchy(wide_data)
     assert "m:model.layers" in pg.expand_modules(wide_hier)
+
+
+def test_a_nanwatch_birth_is_marked_by_sequence_number_else_only_on_the_very_model() -> None:
+    from torch_nbdebug.data.nanwatch import NanEvent
+    from torch_nbdebug.process.graph_nanwatch import birth_origin, mark_nan_birth
+
+    nodes = (GraphNode(id="n0", kind="op", label="mm", op="MmBackward0", module="model.fc", seq=7),
+             GraphNode(id="n1", kind="op", label="log", op="LogBackward0", module="model.head", seq=8),
+             GraphNode(id="n2", kind="param", label="model.fc.weight", module="model.fc"))
+    data = GraphData(nodes=nodes, edges=(GraphEdge("n0", "n1"),))
+    by_seq = NanEvent(phase="backward", op="LogBackward0", kind="nan", sequence_nr=8, node_name="LogBackward0")
+    marked = mark_nan_birth(data, by_seq, same_model=False, origin="%%nanwatch, In [4]")
+    assert [n.id for n in marked.nodes if n.nan] == ["n1"] and marked.nan_from == "%%nanwatch, In [4]"
+    assert marked.edges == data.edges and not any(n.nan for n in data.nodes)  # a new graph; the old one as it was
+    by_module = NanEvent(phase="forward", op="aten.log.default", kind="inf", module="model.head")
+    assert mark_nan_birth(data, by_module, same_model=False, origin="x") is data  # another model: never marked
+    again = mark_nan_birth(data, by_module, same_model=True, origin="x")  # the very model, run again
+    assert [n.id for n in again.nodes if n.nan] == ["n1"]
+    assert birth_origin("/tmp/ipykernel_1/9.py", None) == "%%nanwatch, a notebook cell"
+    assert birth_origin("/home/me/train.py", None) == "%%nanwatch, train.py"
+    assert birth_origin("", 3) == "%%nanwatch, In [3]"

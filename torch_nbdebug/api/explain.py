@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Literal, Mapping, Optional
 
 
+from torch_nbdebug.api._block import start_within
 from torch_nbdebug.data.explain import Diagnosis as DiagnosisData
 from torch_nbdebug.data.explain import FailureFacts, Operand, Recording
 from torch_nbdebug.errors import InputError
@@ -122,11 +123,7 @@ class ExplainScope:
 
     def __enter__(self) -> Explanation:
         self._compiled.__enter__()
-        try:
-            self._recorder.start()
-        except BaseException:
-            self._compiled.__exit__(None, None, None)
-            raise
+        start_within(self._compiled, self._recorder.start)
         return self.result
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> Literal[False]:

@@ -65,9 +65,7 @@ class GradReport(Displayable):
         """Layer names in forward order (``trace.layers`` has the full :class:`LayerInfo`)."""
         return self.trace.layer_names
 
-    @property
-    def layer_names(self) -> tuple[str, ...]:
-        return self.trace.layer_names
+    layer_names = layers  # the trace's own name for them
 
     @property
     def steps(self) -> tuple[int, ...]:

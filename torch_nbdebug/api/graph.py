@@ -12,16 +12,16 @@ The result is a :class:`GraphExplorer`: displays as text, a static SVG and the l
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from torch_nbdebug.data.graph import GraphData, GraphNode
-from torch_nbdebug.data.source import is_cell_file
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.graph_infer import infer_modules, used_modules
+from torch_nbdebug.process.graph_nanwatch import birth_origin
+from torch_nbdebug.process.graph_nanwatch import mark_nan_birth as mark_birth_on
 from torch_nbdebug.record.graph import DEFAULT_MAX_NODES, build_graph, module_types, parameter_aliases, tensor_names
 from torch_nbdebug.record.graph_recorder import GraphRecorder, last_recording
 from torch_nbdebug.record.modules import module_at, module_roots, parameter_names
@@ -246,7 +246,8 @@ def _fields(data: GraphData) -> dict[str, Any]:
 def mark_nan_birth(data: GraphData, namespace: Optional[Mapping[str, Any]] = None) -> GraphData:
     """Mark the node where the last ``%%nanwatch`` saw the first NaN/Inf born, when this graph is of the
     run it watched (the node's autograd sequence number) or of the very model it watched (the same
-    module object, run again): a graph of another or a repaired model is not marked."""
+    module object, run again): a graph of another or a repaired model is not marked. The marking is
+    :func:`torch_nbdebug.process.graph_nanwatch.mark_nan_birth`; this finds the birth."""
     try:
         from torch_nbdebug.api.nanwatch import last_report
     except ImportError:
@@ -256,14 +257,9 @@ def mark_nan_birth(data: GraphData, namespace: Optional[Mapping[str, Any]] = Non
         first = getattr(report, "first", None) if report is not None else None
         if first is None:
             return data
-        target = _nan_node(data, first, _same_model(report, first, namespace))
-        origin = _origin(report)
+        return mark_birth_on(data, first, _same_model(report, first, namespace), _origin(report))
     except Exception:  # another feature's state must never break the graph
         return data
-    if target is None:
-        return data
-    nodes = tuple(GraphNode(**{**n.__dict__, "nan": True}) if n.id == target else n for n in data.nodes)
-    return GraphData(**{**_fields(data), "nodes": nodes, "nan_from": origin})
 
 
 def _same_model(report: Any, event: Any, namespace: Optional[Mapping[str, Any]]) -> bool:
@@ -280,23 +276,4 @@ def _origin(report: Any) -> str:
     number = getattr(report, "cell", None)
     if not isinstance(number, int):
         number = cell_number(filename) if filename else None
-    where = f"In [{number}]" if number is not None else \
-        "a notebook cell" if is_cell_file(filename) else os.path.basename(filename)
-    return "%%nanwatch" + (f", {where}" if where else "")
-
-
-def _nan_node(data: GraphData, event: Any, same_model: bool) -> Optional[str]:
-    seq, name = getattr(event, "sequence_nr", None), getattr(event, "node_name", None) or ""
-    module, op = getattr(event, "module", None), str(getattr(event, "op", "") or "")
-    ops = [n for n in data.nodes if n.kind == "op"]
-    if seq is not None:
-        for n in ops:
-            if n.seq == seq and (not name or n.op == name.rsplit("::", 1)[-1]):
-                return n.id
-    if not same_model:  # another run of another model: its module paths may match, its birth is not here
-        return None
-    short = op.split(".")[1] if op.startswith("aten.") and "." in op[5:] else op.split(".")[-1]
-    for n in ops:
-        if module and n.module == module and ((name and n.op == name) or (short and n.label == short)):
-            return n.id
-    return None
+    return birth_origin(filename, number)

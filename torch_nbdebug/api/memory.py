@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from torch_nbdebug.api._block import start_within
 from torch_nbdebug.data import memory as data
 from torch_nbdebug.data.memory import NO_CUDA_NOTE
 from torch_nbdebug.errors import InputError
@@ -149,11 +150,7 @@ class memory_timeline:
         self._compiled = CompiledCode(self.namespace, "memory_timeline recorded it (compiled code cannot run under "
                                       "the recorder's dispatch mode), so the timeline shows eager memory use"
                                       ).__enter__()
-        try:
-            self._start(MemoryRecorder)
-        except BaseException:
-            self._compiled.__exit__(None, None, None)
-            raise
+        start_within(self._compiled, lambda: self._start(MemoryRecorder))
         return self.timeline
 
     def _start(self, recorder_class: Any) -> None:
@@ -168,12 +165,7 @@ class memory_timeline:
         walk_lines = self.record_lines and (self._history is None or self._history.was_enabled)
         self._recorder = recorder_class(self.namespace, device_type=self.device_type,
                                         record_lines=walk_lines, scan_gc=self.scan_gc)
-        try:
-            self._recorder.start()
-        except BaseException:
-            if self._history is not None:
-                self._history.__exit__(None, None, None)
-            raise
+        start_within(self._history, self._recorder.start)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:

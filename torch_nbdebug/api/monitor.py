@@ -13,6 +13,7 @@ import os
 import types
 from typing import Any, Callable, Mapping, Optional, Union
 
+from torch_nbdebug.api._block import RecorderBlock
 from torch_nbdebug.data.monitor import Alert, MonitorHistory, Rules, Status
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.monitor import alerts as find_alerts
@@ -26,8 +27,10 @@ Watched = Union[str, Callable[[], Any]]
 MonitorRules = Rules  # the name exported as torch_nbdebug.MonitorRules
 
 
-class Monitor(Displayable):
+class Monitor(RecorderBlock[MonitorRecorder], Displayable):
     """A monitored run: a context manager while it records, then the result (``history``, ``alerts``)."""
+
+    _reused = "this monitor(...) block was already used: call monitor(...) again"
 
     def __init__(self, recorder: MonitorRecorder, rules: Rules, tensorboard: Optional[str], live: bool) -> None:
         self._recorder: Optional[MonitorRecorder] = recorder
@@ -42,10 +45,7 @@ class Monitor(Displayable):
 
     # -- recording -------------------------------------------------------------------------
     def __enter__(self) -> "Monitor":
-        recorder = self._recorder
-        if recorder is None or self._entered:
-            raise InputError("this monitor(...) block was already used: call monitor(...) again")
-        self._entered = True
+        recorder = self._claim()
         if self._own_live and self.live is None:
             from torch_nbdebug.render.live import LiveDisplay
 
@@ -56,25 +56,18 @@ class Monitor(Displayable):
         recorder.__enter__()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        recorder, self._recorder = self._recorder, None
-        assert recorder is not None
-        status: Status = "finished" if exc_type is None else \
-            "stopped" if issubclass(exc_type, KeyboardInterrupt) else "failed"
-        try:
-            self._history = recorder.finish(status)  # removes the hooks first
-            if self.tensorboard is not None:
-                self.to_tensorboard(self.tensorboard)
-        except Exception:
-            if exc_type is None:
-                raise  # otherwise the user's own exception propagates, not ours
-        finally:
-            if self._own_live and self.live is not None:
-                try:
-                    if self._history is not None:
-                        self.live.show(self)
-                finally:
-                    self.live.close()
+    def _end(self, recorder: MonitorRecorder, status: Status) -> None:
+        self._history = recorder.finish(status)  # removes the hooks first
+        if self.tensorboard is not None:
+            self.to_tensorboard(self.tensorboard)
+
+    def _ended(self) -> None:
+        if self._own_live and self.live is not None:
+            try:
+                if self._history is not None:
+                    self.live.show(self)
+            finally:
+                self.live.close()
 
     def _live_title(self) -> str:
         names = self._recorder.expressions if self._recorder is not None else ()

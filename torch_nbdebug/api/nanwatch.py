@@ -10,6 +10,7 @@ import types
 import weakref
 from typing import Any, Iterator, Literal, Mapping, Optional
 
+from torch_nbdebug.api._block import start_within
 from torch_nbdebug.data.nanwatch import LayerStats, NanEvent, NanSummary
 from torch_nbdebug.errors import InputError, NanBirthError
 from torch_nbdebug.process.nanwatch import summarize_watch
@@ -121,12 +122,7 @@ class NanWatch:
     def __enter__(self) -> NanReport:
         if self._compiled is not None:
             self._compiled.__enter__()
-        try:
-            self._recorder.start()
-        except BaseException:
-            if self._compiled is not None:
-                self._compiled.__exit__(None, None, None)
-            raise
+        start_within(self._compiled, self._recorder.start)
         return self.report
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> Literal[False]:

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch_nbdebug.data.profile import (Comparison, LineRow, ModuleRow, OpRow, Pattern, ProfileData, Status, Step,
                                         Verdict)
+from torch_nbdebug.api._block import RecorderBlock
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.profile import summarize
 from torch_nbdebug.process.profile_compare import compare as compare_data
@@ -28,8 +29,10 @@ __all__ = ["profile", "Profile", "ProfileComparison"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class Profile(Displayable):
+class Profile(RecorderBlock[ProfileRecorder], Displayable):
     """A profiled block: a context manager while it runs, then the report."""
+
+    _reused = "this profile() block was already used: call torch_nbdebug.profile() again"
 
     def __init__(self, recorder: Optional[ProfileRecorder], warmup: int, trace: Optional[str] = None,
                  tensorboard: Optional[str] = None, data: Optional[ProfileData] = None, keep: bool = False) -> None:
@@ -44,34 +47,23 @@ class Profile(Displayable):
 
     # -- recording -------------------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        if self._recorder is None or self._entered:
-            raise InputError("this profile() block was already used: call torch_nbdebug.profile() again")
-        self._entered = True
-        self._recorder.__enter__()
+        self._claim().__enter__()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        recorder, self._recorder = self._recorder, None
-        assert recorder is not None
-        status: Status = "finished" if exc_type is None else \
-            "stopped" if issubclass(exc_type, KeyboardInterrupt) else "failed"
-        try:
-            capture = recorder.finish(status)  # removes everything first
-            if self._trace_path is not None:
-                recorder.export_chrome_trace(self._trace_path)
-            if self._tensorboard is not None:
-                _trace_for_tensorboard(recorder, self._tensorboard)
-            self._kept = recorder if self._keep else None
-            if not self._keep:
-                recorder.profiler = None  # only the summary is kept
-            self._data = summarize(capture, self._warmup)
-            if self._trace_path is not None:
-                self._data = replace(self._data, trace=self._trace_path)
-            if self._tensorboard is not None:
-                self.to_tensorboard(self._tensorboard)
-        except Exception:
-            if exc_type is None:
-                raise  # otherwise the user's own exception propagates, not ours
+    def _end(self, recorder: ProfileRecorder, status: Status) -> None:
+        capture = recorder.finish(status)  # removes everything first
+        if self._trace_path is not None:
+            recorder.export_chrome_trace(self._trace_path)
+        if self._tensorboard is not None:
+            _trace_for_tensorboard(recorder, self._tensorboard)
+        self._kept = recorder if self._keep else None
+        if not self._keep:
+            recorder.profiler = None  # only the summary is kept
+        self._data = summarize(capture, self._warmup)
+        if self._trace_path is not None:
+            self._data = replace(self._data, trace=self._trace_path)
+        if self._tensorboard is not None:
+            self.to_tensorboard(self._tensorboard)
 
     # -- results ---------------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 from torch_nbdebug.data import ranks as data
 from torch_nbdebug.process.ranks import findings
 from torch_nbdebug.record.collectives import CollectiveLog, StepClock, flight_recorder_wait, thread_stacks
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.render.bundle import Displayable
 
 __all__ = ["load", "RunReport", "RankSession"]
@@ -131,6 +132,7 @@ class RankSession:
         self._written_births = -1
         self._births_json: Optional[str] = None
         self._signals: dict[int, Any] = {}
+        self._scope = HookScope()
         self.result: Any = None
         self.part = data.rank_part(tool, self.rank, self.world_size, host=socket.gethostname(), pid=os.getpid(),
                                    argv=list(sys.argv))["ranks"][0]
@@ -140,21 +142,21 @@ class RankSession:
         self.out.mkdir(parents=True, exist_ok=True)
         self._write()
         self.result = self.context.__enter__()
-        try:
-            self.clock.start()
-            self.collectives.start()
-            self._install_signals()
-        except BaseException:
-            self._stop_recording()
-            raise
+        self._scope.open(self._install)
         return self.result
 
+    def _install(self, scope: HookScope) -> None:
+        """The step clock, the collective log and the SIGTERM handler; each undo is listed before its
+        install, so a half-done install is undone too."""
+        scope.callback(self.clock.stop)
+        self.clock.start()
+        scope.callback(self.collectives.stop)
+        self.collectives.start()
+        scope.callback(self._restore_signals)
+        self._install_signals()
+
     def _stop_recording(self) -> None:
-        self._restore_signals()
-        try:
-            self.collectives.stop()
-        finally:
-            self.clock.stop()
+        self._scope.close()  # the signals, the collective log, then the clock: each undone even if one fails
 
     def finish(self, exc: Optional[BaseException], exit_code: int) -> Optional[RunReport]:
         """Stop recording, write the rank file (status, report); rank 0 merges and returns the run report."""

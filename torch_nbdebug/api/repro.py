@@ -54,9 +54,6 @@ class ReproReport(Displayable):
         """Ops used that PyTorch lists as nondeterministic on their device, with their lines."""
         return self.summary.nondeterministic_ops
 
-    def __bool__(self) -> bool:
-        return True
-
     def text(self) -> str:
         from torch_nbdebug.render.repro import report_text
 

@@ -139,18 +139,6 @@ def _buffer(event: NanEvent) -> str:
             "earlier step, a buffer update) made it. Re-initialise it and watch the code that updates it.")
 
 
-def _input_data(event: NanEvent) -> str:
-    return ("The data coming in already holds NaN/Inf, before any op made one: check the dataset or "
-            "preprocessing (e.g. assert torch.isfinite(x).all() when loading), or clean it with "
-            "torch.nan_to_num. This op only consumed it.")
-
-
-def _scaler(event: NanEvent) -> str:
-    return ("GradScaler saw this overflow, skipped the optimizer step and lowered the loss scale: expected "
-            "now and then with float16 (it is how the scale is calibrated). Only a concern when most "
-            "steps are skipped: then find why the gradients overflow even at a small scale.")
-
-
 def _user_backward(event: NanEvent) -> str:
     op = (event.aten_op or "").split(".")
     name = op[1] if len(op) > 1 and op[0] == "aten" else "an op"
@@ -175,12 +163,6 @@ def _lr_growth(event: NanEvent) -> str:
             "lower the learning rate; clip gradients (torch.nn.utils.clip_grad_norm_).")
 
 
-def _ctc(event: NanEvent) -> str:
-    return ("CTC loss is infinite when a target is longer than its input sequence (more labels, plus one "
-            "blank between repeats, than time steps): no alignment exists. Check input_lengths against "
-            "target_lengths, or pass zero_infinity=True to drop those samples' loss and gradient.")
-
-
 def _clamp(event: NanEvent) -> str:
     op = event.forward_op if event.phase == "backward" and event.forward_op else event.op
     name = op.split(".")[1] if op.startswith("aten.") else op
@@ -197,12 +179,6 @@ def _masked_row(event: NanEvent) -> str:
                 "or mask with a large negative number (torch.finfo(dtype).min) instead of -inf.")
     return ("softmax over a row that is entirely -inf (fully masked) gives NaN: make sure every row keeps "
             "at least one unmasked position, or use a large negative number instead of -inf.")
-
-
-def _log_zero(event: NanEvent) -> str:
-    return ("log of zero probabilities gives -inf (a softmax that underflowed, a target with zeros): for "
-            "kl_div pass log-probabilities from F.log_softmax (not probs.log()), or use "
-            "torch.log(p.clamp_min(eps)) / torch.xlogy.")
 
 
 def _adam_eps(event: NanEvent) -> str:
@@ -259,12 +235,6 @@ def _logvar(event: NanEvent) -> str:
             "logvar = logvar.clamp(-30, 20) (a VAE's std = torch.exp(0.5 * logvar)), or predict it through softplus.")
 
 
-def _softplus(event: NanEvent) -> str:
-    return ("A softplus written by hand (torch.log(1 + torch.exp(x)), also inside mish) overflows: exp(x) is inf "
-            "for large x, and its gradient inf * 0 is NaN. Use F.softplus(x) (F.mish for mish): it is exact and "
-            "stable for every x.")
-
-
 def _zero_gradient(event: NanEvent) -> str:
     return (f"{event.param or 'A parameter'} became NaN in optimizer step {event.step} with eps=0: where its "
             "gradient is exactly 0 (a weight the loss does not use, an embedding row not in the batch) the "
@@ -272,24 +242,49 @@ def _zero_gradient(event: NanEvent) -> str:
             "1e-8).")
 
 
+# The causes whose hint needs none of the event's fields.
+_FIXED_HINTS: dict[Cause, str] = {
+    "input_data": (
+        "The data coming in already holds NaN/Inf, before any op made one: check the dataset or preprocessing "
+        "(e.g. assert torch.isfinite(x).all() when loading), or clean it with torch.nan_to_num. This op only "
+        "consumed it."),
+    "grad_scaler_skip": (
+        "GradScaler saw this overflow, skipped the optimizer step and lowered the loss scale: expected now "
+        "and then with float16 (it is how the scale is calibrated). Only a concern when most steps are "
+        "skipped: then find why the gradients overflow even at a small scale."),
+    "ctc_target_too_long": (
+        "CTC loss is infinite when a target is longer than its input sequence (more labels, plus one blank "
+        "between repeats, than time steps): no alignment exists. Check input_lengths against target_lengths, "
+        "or pass zero_infinity=True to drop those samples' loss and gradient."),
+    "log_of_zero_probability": (
+        "log of zero probabilities gives -inf (a softmax that underflowed, a target with zeros): for kl_div "
+        "pass log-probabilities from F.log_softmax (not probs.log()), or use torch.log(p.clamp_min(eps)) / "
+        "torch.xlogy."),
+    "handwritten_softplus": (
+        "A softplus written by hand (torch.log(1 + torch.exp(x)), also inside mish) overflows: exp(x) is inf "
+        "for large x, and its gradient inf * 0 is NaN. Use F.softplus(x) (F.mish for mish): it is exact and "
+        "stable for every x."),
+}
+
+
+def _fixed(text: str) -> Callable[[NanEvent], str]:
+    return lambda event: text
+
+
 CAUSE_HINTS: dict[Cause, Callable[[NanEvent], str]] = {
     "nonfinite_parameter": _parameter,
     "nonfinite_buffer": _buffer,
-    "input_data": _input_data,
-    "grad_scaler_skip": _scaler,
     "user_backward": _user_backward,
     "where_trap": _where_trap,
     "lr_growth": _lr_growth,
-    "ctc_target_too_long": _ctc,
     "clamp_at_domain_edge": _clamp,
     "all_masked_row": _masked_row,
-    "log_of_zero_probability": _log_zero,
     "adam_eps_underflow": _adam_eps,
     "repeated_eigenvalues": _eigen,
     "overflow": _overflow,
     "minus_inf_flipped": _flipped,
     "eps_rounds_to_zero": _eps_zero,
     "logvar_exp": _logvar,
-    "handwritten_softplus": _softplus,
     "zero_gradient_update": _zero_gradient,
+    **{cause: _fixed(text) for cause, text in _FIXED_HINTS.items()},
 }

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from torch_nbdebug.data.profile import CATEGORIES, LineRow, ModuleRow, OpRow, Step, Verdict
+from torch_nbdebug.data.profile import CATEGORIES, LineRow, ModuleRow, OpRow, Step, Verdict, VerdictKind
 from torch_nbdebug.data.source import SourceLine
 
 SYNC_SHARE = 0.25
@@ -90,6 +90,12 @@ def _in(module: Optional[str]) -> str:
     return f" in {module}" if module else ""
 
 
+def _of_the_step(kind: VerdictKind, share: float, says: str, fix: str, figures: dict[str, float],
+                 line: Optional[SourceLine] = None, module: Optional[str] = None) -> Verdict:
+    """A verdict whose summary leads with the share of the step it explains: ``42% of the step <says>``."""
+    return Verdict(kind, share, f"{share:.0%} of the step {says}", fix, figures, line, module)
+
+
 def decide(f: Figures) -> Verdict:
     s = f.shares
     ops_share = s["forward"] + s["backward"] + s["optimizer"]
@@ -100,18 +106,17 @@ def decide(f: Figures) -> Verdict:
         figures["device_idle_share"] = round(f.device_idle_share, 4)
     if f.device == "cuda" and s["sync"] >= SYNC_SHARE:
         line = f.top_line("sync")
-        return Verdict("sync", s["sync"], f"{s['sync']:.0%} of the step waits in host syncs ({f.syncs_per_step:.0f} "
-                       f"per step){_at(line)}",
-                       "keep values on the device: read .item()/.cpu()/print a tensor every N steps, not every step; "
-                       "avoid nonzero() and boolean-mask indexing in the step (they sync to size their output); "
-                       "torch.cuda.set_sync_debug_mode('warn') points at each sync", figures, line)
+        return _of_the_step("sync", s["sync"], f"waits in host syncs ({f.syncs_per_step:.0f} per step){_at(line)}",
+                            "keep values on the device: read .item()/.cpu()/print a tensor every N steps, not every "
+                            "step; avoid nonzero() and boolean-mask indexing in the step (they sync to size their "
+                            "output); torch.cuda.set_sync_debug_mode('warn') points at each sync", figures, line)
     if s["data"] >= DATA_SHARE:
         line = f.top_line("data")
-        return Verdict("data", s["data"], f"{s['data']:.0%} of the step waits for the DataLoader "
-                       f"({s['data'] * f.step_ms:.1f} ms per batch); the slowest loading line is{_at(line) or ' unknown'}",
-                       "load batches in the background: DataLoader(..., num_workers=4, pin_memory=True, "
-                       "persistent_workers=True); cache decoded or preprocessed samples instead of redoing them; "
-                       "do per-sample work on whole batches (or on the GPU)", figures, line)
+        return _of_the_step("data", s["data"], f"waits for the DataLoader ({s['data'] * f.step_ms:.1f} ms per "
+                            f"batch); the slowest loading line is{_at(line) or ' unknown'}",
+                            "load batches in the background: DataLoader(..., num_workers=4, pin_memory=True, "
+                            "persistent_workers=True); cache decoded or preprocessed samples instead of redoing "
+                            "them; do per-sample work on whole batches (or on the GPU)", figures, line)
     if f.ops_per_step >= LAUNCH_OPS and f.median_op_us <= LAUNCH_MEDIAN_US and ops_share + s["python"] >= LAUNCH_SHARE:
         line, module = f.busiest_line(), f.busiest_module()
         share = ops_share + s["python"]
@@ -123,16 +128,16 @@ def decide(f: Figures) -> Verdict:
                        "optimizers: foreach=True or fused=True", figures, line, module)
     if f.copy_share >= COPY_SHARE:
         line = f.top_line()
-        return Verdict("memory", f.copy_share, f"{f.copy_share:.0%} of the step copies tensors (.to, .copy_, "
-                       f".contiguous: {f.copy_share * f.step_ms:.1f} ms per step){_at(line)}",
-                       "move data to the device once (pin_memory=True and .to(device, non_blocking=True)), keep one "
-                       "dtype and layout through the step, avoid .cpu()/.contiguous() round trips", figures, line)
+        return _of_the_step("memory", f.copy_share, f"copies tensors (.to, .copy_, .contiguous: "
+                            f"{f.copy_share * f.step_ms:.1f} ms per step){_at(line)}",
+                            "move data to the device once (pin_memory=True and .to(device, non_blocking=True)), "
+                            "keep one dtype and layout through the step, avoid .cpu()/.contiguous() round trips",
+                            figures, line)
     if s["python"] >= HOST_SHARE:
         line = f.top_line("python")
-        return Verdict("host", s["python"], f"{s['python']:.0%} of the step is Python outside torch ops"
-                       f"{', mostly' + _at(line) if line else ''}",
-                       "take that work out of the step (precompute it once), write it as torch ops on whole tensors, "
-                       "or run it every N steps", figures, line)
+        return _of_the_step("host", s["python"], f"is Python outside torch ops{', mostly' + _at(line) if line else ''}",
+                            "take that work out of the step (precompute it once), write it as torch ops on whole "
+                            "tensors, or run it every N steps", figures, line)
     if ops_share >= COMPUTE_SHARE:
         module = f.heaviest_module()
         top = ", ".join(o.name for o in f.ops[:3])
@@ -140,9 +145,8 @@ def decide(f: Figures) -> Verdict:
                "allow_tf32 = True), channels_last for convolutions, torch.compile" if f.device == "cuda" else
                "torch.compile, bfloat16 autocast on CPU (torch.autocast('cpu')), all cores (torch.set_num_threads), "
                "or a GPU; a smaller model or batch if the step must be shorter")
-        return Verdict("compute", ops_share, f"{ops_share:.0%} of the step is torch ops doing work"
-                       f"{', most of it' + _in(module) if module else ''}" + (f" ({top})" if top else ""),
-                       fix, figures, f.top_line(), module)
+        return _of_the_step("compute", ops_share, f"is torch ops doing work{', most of it' + _in(module) if module else ''}"
+                            + (f" ({top})" if top else ""), fix, figures, f.top_line(), module)
     parts = ", ".join(f"{c} {v:.0%}" for c, v in sorted(s.items(), key=lambda kv: -kv[1]) if v >= 0.05)
     return Verdict("balanced", max(s.values()) if s else 0.0, f"no single cause: {parts}",
                    "nothing dominates: start with the biggest module and line below", figures,
