@@ -28,8 +28,9 @@ records nothing else) is the floor of a recorder built on the allocator's events
 (issue 11; evaluated and not built): the step itself runs at full speed, but stopping post-processes every
 allocation and free event in C++, and reading each event's address, bytes and time (needed to pair a free
 with its allocation) costs more again in Python. Its two rows time start + stop, then start + stop + that
-read: on the 2-layer GPT (about 950 allocator events per step) 1.4-1.6x and 1.9-2.1x, above the 1.5x
-target before any bookkeeping, module hooks or timeline.
+read: on the 2-layer GPT (about 950 allocator events per step) 1.4-1.6x and 1.8-2.1x, about the no-op
+mode's own cost before any bookkeeping, module hooks or timeline, and without an op, shape or dtype per
+allocation (what the timeline and its tests name).
 The profiler's C++ log lines on fd 2 are silenced around the floor rows (bench output only).
 """
 from __future__ import annotations
