@@ -145,6 +145,26 @@ class Pairs:
         q = statistics.quantiles(values, n=4)
         return q[0], q[2]
 
+    def distance(self, name: str, floor: str) -> tuple[float, float, float]:
+        """How far ``name`` sits above ``floor`` (issue 27's measure): the median over repeats of
+        ``name``'s paired CPU ratio minus ``floor``'s in the same repeat, with the first and third
+        quartiles. Both were timed in the same repeat, so load that hits a repeat hits both."""
+        values = sorted(s.cpu / b.cpu - fs.cpu / fb.cpu for (b, s), (fb, fs) in zip(self.pairs[name], self.pairs[floor])
+                        if b.cpu > 0 and fb.cpu > 0)
+        if len(values) < 4:
+            return statistics.median(values), values[0], values[-1]
+        q = statistics.quantiles(values, n=4)
+        return statistics.median(values), q[0], q[2]
+
+    def versus_floor(self, name: str, floor: str) -> str:
+        """One line for a tool against its floor, timed in the same run: the tool's median paired CPU
+        ratio, the floor's, and the distance between them, each with its quartiles."""
+        lo, hi = self.spread(name)
+        f_lo, f_hi = self.spread(floor)
+        d, d_lo, d_hi = self.distance(name, floor)
+        return (f"ratio {self.ratio(name):.2f}x [{lo:.2f}-{hi:.2f}], floor {self.ratio(floor):.2f}x "
+                f"[{f_lo:.2f}-{f_hi:.2f}], distance {d:+.2f}x [{d_lo:+.2f}-{d_hi:+.2f}]")
+
     def summary(self, name: str) -> Summary:
         """Median wall, median CPU and least CPU seconds of ``name`` (the base over all its pairs)."""
         if name == self.base:

@@ -42,3 +42,23 @@ def test_a_ratio_is_taken_within_its_pair(monkeypatch: pytest.MonkeyPatch) -> No
     assert seen == [(name, name) for name in calls]  # ``after`` sees each call's own result
     assert pairs.summary("plain").cpu == 10.0 and pairs.summary("x").cpu_min == 1.5
     assert pairs.spread("x") == (1.5, 1.5) and pairs.names() == ["plain", "x"]
+
+
+def test_a_tool_is_compared_with_its_floor_repeat_by_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27's measure: the distance to the floor is taken within each repeat (tool ratio minus floor
+    ratio there), so a repeat slowed for both sides moves neither; the line shows all three with quartiles."""
+    tool = iter([2.0, 3.0, 2.5, 4.0])  # paired ratios of the tool, repeat by repeat
+    floor = iter([1.5, 2.5, 2.0, 3.5])  # and of its floor: always 0.5 below the tool in the same repeat
+
+    def fake_clock(fn: Any, sync: Any = None) -> tuple[Any, Any]:
+        name = fn()
+        cpu = 1.0 if name == "plain" else next(tool if name == "tool" else floor)
+        return timing.Sample(cpu, cpu), name
+
+    monkeypatch.setattr(timing, "clock", fake_clock)
+    pairs = timing.paired({"plain": lambda: "plain", "tool": lambda: "tool", "floor": lambda: "floor"}, "plain",
+                          repeats=4)
+    assert sorted(pairs.ratios("tool")) == [2.0, 2.5, 3.0, 4.0]
+    assert pairs.distance("tool", "floor") == (0.5, 0.5, 0.5)
+    line = pairs.versus_floor("tool", "floor")
+    assert line.startswith(f"ratio {pairs.ratio('tool'):.2f}x") and "distance +0.50x [+0.50-+0.50]" in line

@@ -47,7 +47,10 @@ from torch_nbdebug.record.lifecycle import HookScope, Removable
 _FLUSH = 64          # steps kept on the device between host copies
 _MAX_HISTS = 256     # histogram rows kept; beyond, every other one is dropped (bounded memory)
 _MAX_KEPT = 1 << 24  # sample elements held on the device between host copies, empty rows included (64 MB)
-_CPU_CHUNK = 1 << 18  # sample elements reduced (and rows allocated) together on a CPU (1 MB of float32: in cache)
+# Sample elements reduced (and rows allocated) together on a CPU: 4 MB of float32, in a shared cache. Fewer,
+# larger groups: each op of a reduction costs as much to set up as to run on a 1 MB group (a 128-step run of
+# the 2-layer GPT reduced its samples in 43 ms with 1 MB groups, 31 ms with 4 MB ones and 33 ms with 64 MB).
+_CPU_CHUNK = 1 << 20
 
 
 class GradRecorder:

@@ -206,10 +206,14 @@ class Sampler:
         per tensor: each one costs a tensor object per step)."""
         index = self.index
         parts: list[torch.Tensor] = []
+        # A view per tensor is an op call each: ``take`` indexes the tensor as flat without one, and a
+        # vector is flat already (the op calls a recorded step of the 2-layer GPT adds: 152 -> 74).
         for j, i, pad in layout.plan:
-            flat = tensors[j].reshape(-1)
-            picked = index[i]
-            parts.append(flat if picked is None else flat.index_select(0, picked))
+            tensor, picked = tensors[j], index[i]
+            if picked is not None:
+                parts.append(torch.take(tensor, picked))
+            else:
+                parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))
             if pad is not None:
                 parts.append(pad)
         if not layout.same_device:
@@ -363,7 +367,8 @@ def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = 
     (NaN), for rows whose ratios are known already (and whose weights' samples are spent)."""
     layout: Layout = rows[0]["layout"]
     x = stacked(rows)  # [S, size]: the blocks of every step
-    blocks = [(_finite_sums if finite else _block_sums)(b.block(x), b.fill) for b in layout.buckets]
+    blocks = [_finite_sums(b.block(x), b.fill if b.padded else None) if finite else _block_sums(b.block(x), b.fill)
+              for b in layout.buckets]
     cols = torch.cat(blocks, 1).index_select(1, layout.unorder).double()  # [S, n, 8] in present order
     abs_sum, nonzero, n_pos, n_neg, n_nan, total, lo, hi = (*cols.unbind(2)[:6], -cols[:, :, 6], cols[:, :, 7])
     zeros = layout.k - nonzero - n_pos - n_neg - n_nan
@@ -410,14 +415,21 @@ def _block_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums + ends, 2)
 
 
-def _finite_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+def _finite_sums(x: torch.Tensor, fill: Optional[torch.Tensor]) -> torch.Tensor:
     """:func:`_block_sums` of a block known to be finite (no NaN or Inf counts to take, no value to
-    set aside before the range): seven passes over it instead of about twenty."""
+    set aside before the range): seven passes over it instead of about twenty, five without padding
+    (``fill`` None: every row fills its block, so its range is the rows' own ``amin`` and ``amax``,
+    two reading passes where the fill took two writing ones more; measured 5x faster on a CPU, where a
+    reduction along rows is also several times faster than ``aminmax`` along them)."""
     wide = torch.float64 if x.shape[-1] >= 1 << 24 else torch.float32
     tmp = torch.empty_like(x)
     sums = [torch.abs(x, out=tmp).sum(-1, dtype=wide).float(), tmp.sign_().sum(-1, dtype=wide).float()]
     zero = torch.zeros_like(sums[0])
-    ends = [torch.sub(fill, x, out=tmp).amax(-1), torch.add(x, fill, out=tmp).amax(-1)]  # -min, max
+    if fill is None:
+        # -min, max; adding 0 makes a zero +0.0, as the fill's sums give it
+        ends = [x.amin(-1).neg_().add_(0.0), x.amax(-1).add_(0.0)]
+    else:
+        ends = [torch.sub(fill, x, out=tmp).amax(-1), torch.add(x, fill, out=tmp).amax(-1)]
     return torch.stack(sums + [zero, zero, zero, x.sum(-1, dtype=wide).float()] + ends, 2)
 
 
