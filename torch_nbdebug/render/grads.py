@@ -18,6 +18,7 @@ import numpy as np
 import traitlets
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELDS, Flag, GradTrace, Histogram
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.process.grads import flagged_layers, layer_arrays, layer_table, norm_heatmap
 from torch_nbdebug.render.html import esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
@@ -35,10 +36,11 @@ def fmt_count(value: Optional[float], approx: bool = False) -> str:
 
 
 def fmt(value: Optional[float], approx: bool = False) -> str:
+    """A statistic as every view writes it (:func:`fmt_number`: plain from 1e-3 up to 1e5, an exponent
+    outside); ``—`` for no value (a layer without a gradient), ``≈`` before an estimate."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
-    text = f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 or not math.isfinite(value) else f"{value:.2e}"
-    return ("≈" if approx else "") + text
+    return ("≈" if approx else "") + fmt_number(float(value))
 
 
 def _title(trace: GradTrace, step: int) -> str:
@@ -59,13 +61,13 @@ def text(trace: GradTrace, flags: tuple[Flag, ...], step: int = -1) -> str:
     by_layer = flagged_layers(tuple(f for f in flags if f.step == step))
     width = max([len(n) for n in trace.layer_names] + [5])
     kind_w = max([len(layer.kind) for layer in trace.layers] + [4])  # whole class names (MultiheadAttention)
-    lines.append(f"{'layer':<{width}}  {'type':<{kind_w}} {'norm':>9} {'mean|g|':>9} {'max|g|':>9} {'‖Δw‖/‖w‖':>9}  "
+    lines.append(f"{'layer':<{width}}  {'type':<{kind_w}} {'norm':>10} {'mean|g|':>10} {'max|g|':>10} {'‖Δw‖/‖w‖':>10}  "
                  "flags")
     for li, layer in enumerate(trace.layers):
         kinds = ",".join(f.kind for f in by_layer.get(li, []))
-        lines.append(f"{layer.name:<{width}}  {layer.kind:<{kind_w}} {fmt(table['norm'][li]):>9} "
-                     f"{fmt(table['mean_abs'][li]):>9} {fmt(table['max_abs'][li]):>9} "
-                     f"{fmt(table['update_ratio'][li]):>9}  {kinds}")
+        lines.append(f"{layer.name:<{width}}  {layer.kind:<{kind_w}} {fmt(table['norm'][li]):>10} "
+                     f"{fmt(table['mean_abs'][li]):>10} {fmt(table['max_abs'][li]):>10} "
+                     f"{fmt(table['update_ratio'][li]):>10}  {kinds}")
     for li, found in by_layer.items():
         for f in found:
             lines.append(f"  {f.kind}: {trace.layers[li].name}: {f.reason}")
