@@ -176,3 +176,20 @@ console.log(JSON.stringify([show(el), show(svg)]));
                    "kids": ["<b>x</b>", "0", "a", "b", {"tag": "i", "attrs": {}, "on": [], "kids": []}]}
     assert text == {"tag": "text", "ns": "http://www.w3.org/2000/svg", "attrs": {"x": "4", "y": "10"}, "on": [],
                     "kids": ["label"]}
+
+
+@needs_node
+def test_listen_subscribes_each_event_and_unsubscribes_them_all() -> None:
+    script = """
+import { listen } from './dom.js';
+const on = [], off = [];
+const model = { on: (n, f) => on.push([n, f.name]), off: (n, f) => off.push([n, f.name]) };
+function draw() {} function onMsg() {}
+const stop = listen(model, { "change:a change:b": draw, "msg:custom": onMsg });
+const before = off.length;
+stop();
+console.log(JSON.stringify([on, before, off]));
+"""
+    on, before, off = json.loads(_node(script, esm_path("dom.js").parent))
+    assert on == [["change:a", "draw"], ["change:b", "draw"], ["msg:custom", "onMsg"]]
+    assert before == 0 and off == on  # a closed view leaves no handler behind

@@ -31,6 +31,15 @@ export function s(tag, attrs, ...children) {
   return build(document.createElementNS(SVG, tag), attrs, children);
 }
 
+// Follow a widget model: listen(model, { "change:a change:b": draw, "msg:custom": onMsg }) subscribes each
+// function to its space-separated events and returns the function that unsubscribes them all (a view's
+// render returns it, so a closed view leaves no handler behind).
+export function listen(model, handlers) {
+  const pairs = Object.entries(handlers).flatMap(([names, f]) => names.split(" ").map((name) => [name, f]));
+  for (const [name, f] of pairs) model.on(name, f);
+  return () => { for (const [name, f] of pairs) model.off(name, f); };
+}
+
 // Numbers one way, as data/stats.py's fmt_number: plain from 1e-3 up to 1e5 with `digits` significant
 // digits (0.001234, 12340), an exponent outside (8.125e+19, -5.136e+21, 1.5e-07); nan, inf, -inf; "—"
 // for no value. (An exact decimal tie, 1234.5 to 4 digits, rounds up here and to even in Python.)

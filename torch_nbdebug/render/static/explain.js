@@ -2,7 +2,7 @@
 // collapsible details section (full message, files) and a copy button. Plain ES module, no deps.
 // Every user string (module names, lines, operand names, the message) goes in as a text node.
 
-import { h } from "./dom.js";
+import { h, listen } from "./dom.js";
 
 // "`a` and `b`" -> ["", <code>a</code>, " and ", <code>b</code>]: the kernel marks code with backticks.
 function rich(text) {
@@ -119,12 +119,7 @@ export default {
       showExpanded();
     };
     draw();
-    model.on("change:diagnosis", draw);
-    model.on("change:expanded", showExpanded);
-    return () => {
-      clearTimeout(timer);
-      model.off("change:diagnosis", draw);
-      model.off("change:expanded", showExpanded);
-    };
+    const unlisten = listen(model, { "change:diagnosis": draw, "change:expanded": showExpanded });
+    return () => { clearTimeout(timer); unlisten(); };
   },
 };

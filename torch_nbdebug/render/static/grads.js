@@ -5,7 +5,7 @@
 // bar is a Tab stop too (Enter/Space selects it). Text and axis colours come from base.css (the
 // theme); the canvas heatmap keeps its own colour scale, drawn on the theme's background.
 
-import { h, s, num, count, floats } from "./dom.js";
+import { h, s, num, count, floats, listen } from "./dom.js";
 
 // Statistics as every view writes them (an exponent from 1e5 up or below 1e-3, as data/stats.py);
 // "—" where there is no value (a layer without a gradient is NaN in the float32 bytes).
@@ -269,17 +269,13 @@ function render({ model, el }) {
     if (moves[1]) setStep(model.get("step") + moves[1]);
   };
   root.addEventListener("keydown", onKey);
-  model.on("change:layer", redraw);
-  model.on("change:step", redraw);
-  model.on("change:log_scale", redraw);
+  const unlisten = listen(model, { "change:layer change:step change:log_scale": redraw });
   redraw();
   let drawnFor = widthThere();  // a panel resized: the charts take the new width
   const resized = new ResizeObserver(() => { if (widthThere() !== drawnFor) { drawnFor = widthThere(); redraw(); } });
   resized.observe(root);
   return () => {
-    model.off("change:layer", redraw);
-    model.off("change:step", redraw);
-    model.off("change:log_scale", redraw);
+    unlisten();
     root.removeEventListener("keydown", onKey);
     resized.disconnect();
   };

@@ -3,7 +3,7 @@
 // view. It opens at a readable zoom with the output in view, and paints the SVG with JupyterLab's
 // theme variables (light and dark). Plain ES module: no bundler, no CDN, no framework.
 
-import { h, count } from "./dom.js";
+import { h, count, listen } from "./dom.js";
 
 // Labels are 11 px in the SVG: below this zoom they would be drawn smaller than 10 px.
 const READABLE = 10 / 11;
@@ -247,11 +247,8 @@ export default {
     const onMsg = (msg) => {
       if (msg && msg.type === "dot") download("graph.dot", new Blob([msg.text], { type: "text/vnd.graphviz" }));
     };
-    model.on("msg:custom", onMsg);
-    model.on("change:svg", draw);
-    model.on("change:selected", draw);
-    model.on("change:details", showDetails);
-    model.on("change:matches", showMatches);
+    const unlisten = listen(model, { "msg:custom": onMsg, "change:svg change:selected": draw,
+      "change:details": showDetails, "change:matches": showMatches });
     draw(); showDetails();
     let tries = 0;
     const open = () => { // once the output area has laid the view out (it may be hidden at first)
@@ -259,9 +256,6 @@ export default {
       opening();
     };
     requestAnimationFrame(open);
-    return () => {
-      model.off("msg:custom", onMsg); model.off("change:svg", draw); model.off("change:selected", draw);
-      model.off("change:details", showDetails); model.off("change:matches", showMatches);
-    };
+    return unlisten;
   },
 };

@@ -2,7 +2,7 @@
 // line, and panels sent by the kernel: "lines" (series over steps), "stack" (stacked areas over time) or
 // "table". The kernel replaces this view with the final report when the cell ends. Plain ES module.
 
-import { h, s, num, bytes, count } from "./dom.js";
+import { h, s, num, bytes, count, listen } from "./dom.js";
 
 const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#bf8700", "#8250df", "#0a7ea4", "#bc4c00", "#6e7781",
   "#d4a72c", "#116329"];
@@ -133,18 +133,8 @@ export default {
     header();
     panels();
     const timer = setInterval(header, 1000);
-    model.on("change:elapsed", onElapsed);
-    model.on("change:steps", header);
-    model.on("change:status", header);
-    model.on("change:running", header);
-    model.on("change:panels", panels);
-    return () => {
-      clearInterval(timer);
-      model.off("change:elapsed", onElapsed);
-      model.off("change:steps", header);
-      model.off("change:status", header);
-      model.off("change:running", header);
-      model.off("change:panels", panels);
-    };
+    const unlisten = listen(model, { "change:elapsed": onElapsed, "change:steps change:status change:running": header,
+      "change:panels": panels });
+    return () => { clearInterval(timer); unlisten(); };
   },
 };

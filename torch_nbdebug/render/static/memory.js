@@ -3,7 +3,7 @@
 // Colours of text, axes and grid come from base.css (JupyterLab's theme); the chart shrinks to the
 // output's width (viewBox), wide tables scroll in their own box, and a row's details show on
 // keyboard focus as they do on hover.
-import { h, s, bytes, count, place } from "./dom.js";
+import { h, s, bytes, count, place, listen } from "./dom.js";
 
 // The chart is drawn at the width there is (up to FULL_W), never shrunk below its text's size:
 // in a ~500 px side panel its labels stay 10 px.
@@ -231,11 +231,11 @@ function renderTimeline(model, el) {
   chart.addEventListener("mousedown", onDown);
   chart.addEventListener("mousemove", onMove);
   window.addEventListener("mouseup", onUp);
-  model.on("change:view", draw);
+  const unlisten = listen(model, { "change:view": draw });
   draw();
   const resized = new ResizeObserver(() => { if (Math.floor(root.getBoundingClientRect().width) !== drawnFor) draw(); });
   resized.observe(root);
-  return () => { model.off("change:view", draw); window.removeEventListener("mouseup", onUp); resized.disconnect(); };
+  return () => { unlisten(); window.removeEventListener("mouseup", onUp); resized.disconnect(); };
 }
 
 function renderState(model, el) {

@@ -5,7 +5,7 @@
 // Alerts are listed one row per step and kind (the per-layer rows folded under it).
 // Plain ES module, no CDN. `smoothing`, `log_scale`, `zoom` and `panel` sync both ways.
 
-import { h, s, num, floats } from "./dom.js";
+import { h, s, num, floats, listen } from "./dom.js";
 
 const W = 640, H = 150, PAD = { l: 56, r: 12, t: 8, b: 24 };
 const SERIES = "#0969da";
@@ -217,10 +217,7 @@ function render({ model, el }) {
   }
 
   draw();
-  const names = ["change:meta", "change:values", "change:norms", "change:ratios", "change:smoothing",
-    "change:log_scale", "change:zoom", "change:panel"];
-  for (const n of names) model.on(n, draw);
-  return () => { for (const n of names) model.off(n, draw); };
+  return listen(model, { "change:meta change:values change:norms change:ratios change:smoothing change:log_scale change:zoom change:panel": draw });
 }
 
 export default { render };

@@ -3,7 +3,7 @@
 // the card). Plain ES module, no deps; colours from base.css (JupyterLab's theme), wide tables scroll
 // in their own box.
 
-import { h, num, count } from "./dom.js";
+import { h, num, count, listen } from "./dom.js";
 
 const PHASE = { forward: "forward", backward: "backward", optimizer: "optimizer step", input: "input data" };
 const KIND = { nan: "NaN", inf: "Inf" };
@@ -201,11 +201,6 @@ export default {
       }
     };
     draw();
-    model.on("change:report", draw);
-    model.on("change:selected", draw);
-    return () => {
-      model.off("change:report", draw);
-      model.off("change:selected", draw);
-    };
+    return listen(model, { "change:report change:selected": draw });
   },
 };

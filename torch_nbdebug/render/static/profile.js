@@ -3,7 +3,7 @@
 // and ops; a line's row opens the statement with the lines around it. Plain ES module, no CDN.
 // `zoom` and `opened` sync both ways.
 
-import { h, s, place } from "./dom.js";
+import { h, s, place, listen } from "./dom.js";
 
 const W = 720, BAR_H = 170, LINE_H = 64, PAD = { l: 48, r: 12, t: 10, b: 24 };
 
@@ -150,14 +150,7 @@ function render({ model, el }) {
     el.replaceChildren(h("div", { class: "tnd tnd-profile tnd-profile-widget" }, parts));
   };
   draw();
-  model.on("change:report", draw);
-  model.on("change:zoom", draw);
-  model.on("change:opened", draw);
-  return () => {
-    model.off("change:report", draw);
-    model.off("change:zoom", draw);
-    model.off("change:opened", draw);
-  };
+  return listen(model, { "change:report change:zoom change:opened": draw });
 }
 
 export default { render };
