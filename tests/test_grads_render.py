@@ -180,3 +180,5 @@ def test_numbers_are_written_as_the_statistics_write_them() -> None:
     assert row.index("8.125e+19") + len("8.125e+19") == head.index("max|g|") + len("max|g|")
     page = render.html(trace, ())
     assert "8.125e+19" in page and "1.235e+05" in page
+    # the wide tables scroll in their own box, so the pictures and headings stay put in a ~500 px panel
+    assert page.count('<div class="scroll"><table') == 2 and '<div class="scroll"><table class="tnd-grads-layers"' in page

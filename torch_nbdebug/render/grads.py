@@ -306,7 +306,12 @@ def _layer_table_html(trace: GradTrace, flags: tuple[Flag, ...], step: int, curr
                      "<br>".join(_flag_text(f) for f in by_layer.get(li, []))))
     head = ["#", "layer", "type", "‖g‖", "mean |g|", "max |g|",
             '<abbr title="size of the last update relative to the weights">‖Δw‖/‖w‖</abbr>', "flags"]
-    return table(head, rows, numeric=[0, 3, 4, 5, 6], cls="tnd-grads-layers")
+    return _scrolls(table(head, rows, numeric=[0, 3, 4, 5, 6], cls="tnd-grads-layers"))
+
+
+def _scrolls(html_: str) -> str:
+    """A wide table scrolls in its own box (base.css), so the rest of the view stays in a narrow panel."""
+    return f'<div class="scroll">{html_}</div>'
 
 
 def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Flag, ...] = ()) -> str:
@@ -325,7 +330,7 @@ def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Fla
             hists.append(f'<div style="display:inline-block;margin-right:16px;vertical-align:top"><b><code>'
                          f'{esc(p.info.short)}</code>.grad values</b><br>{hist_figure(p.info.short, p.hist)}</div>')
     head = ["parameter", "shape", "‖g‖", "mean", "std", "max |g|", "zeros", "NaN", "Inf", "‖w‖", "‖Δw‖/‖w‖"]
-    parts.append(table(head, rows, numeric=range(2, 11)))
+    parts.append(_scrolls(table(head, rows, numeric=range(2, 11))))
     parts.append(f"<div>{''.join(hists)}</div>")  # side by side where styles apply, else one under the other
     if lg.activation:
         parts.append("<p>activations: " + esc(", ".join(f"{k} {fmt(v)}" for k, v in lg.activation.items())) + "</p>")
