@@ -11,7 +11,7 @@ place of that line when the view is loaded: the top-level declarations the names
 they use, in the sibling's order, ``export`` dropped), once per module however often it is imported, so
 a view carries only the helpers it uses into every saved notebook. The names imported must be ones the
 sibling exports, without ``as`` (the definitions keep their own names); a shared file holds only
-top-level declarations. The source files stay valid ES modules that import each other (``node`` runs
+top-level declarations, each starting a line (their bodies indented). The source files stay valid ES modules that import each other (``node`` runs
 them as they are).
 """
 from __future__ import annotations
