@@ -152,12 +152,11 @@ def test_the_helper_writes_numbers_as_the_statistics_do() -> None:
 
 FAKE_DOM = """
 class Node { constructor(tag) { this.tag = tag; this.attrs = {}; this.kids = []; this.on = {}; }
-  setAttribute(k, v) { this.attrs[k] = v; } addEventListener(k, f) { this.on[k] = f; }
-  append(...c) { this.kids.push(...c); } }
+  setAttribute(k, v) { this.attrs[k] = String(v); } addEventListener(k, f) { this.on[k] = f; }
+  append(...c) { this.kids.push(...c.map((x) => (x instanceof Node ? x : new Text(String(x))))); } }
 class Text extends Node { constructor(t) { super("#text"); this.text = t; } }
 globalThis.Node = Node;
-globalThis.document = { createElement: (t) => new Node(t), createElementNS: (ns, t) => Object.assign(new Node(t), { ns }),
-  createTextNode: (t) => new Text(t) };
+globalThis.document = { createElement: (t) => new Node(t), createElementNS: (ns, t) => Object.assign(new Node(t), { ns }) };
 const show = (n) => n.tag === "#text" ? n.text : { tag: n.tag, ns: n.ns, attrs: n.attrs, on: Object.keys(n.on), kids: n.kids.map(show) };
 """
 

@@ -5,19 +5,16 @@
 
 export const SVG = "http://www.w3.org/2000/svg";
 
-// Attributes: null/undefined/false are left out, true is an empty attribute, a function under an
-// "on..." name is an event listener. Children: nested arrays of any depth, nodes, strings or numbers;
-// null/undefined/false are skipped. Strings become text nodes, never HTML.
+// Attributes: null/undefined/false are left out, true is an empty attribute, a function (under an
+// "on..." name) is an event listener. Children: nested arrays of any depth, nodes, strings or numbers;
+// null/undefined/false are skipped. A string is appended as a text node (the DOM's rule), never as HTML.
 function build(node, attrs, children) {
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (typeof v === "function" && k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : String(v));
+    if (v == null || v === false) continue;
+    if (typeof v === "function") node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v === true ? "" : v);
   }
-  for (const c of children.flat(Infinity)) {
-    if (c === null || c === undefined || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
+  for (const c of children.flat(Infinity)) if (c != null && c !== false) node.append(c);
   return node;
 }
 
