@@ -214,8 +214,11 @@ function render({ model, el }) {
            ["zeros", fmtCount(v("zeros"), !ex)], ["NaN", fmtCount(v("nan"), !ex)], ["Inf", fmtCount(v("inf"), !ex)],
            ["‖w‖", fmt(v("param_norm"))], ["‖Δw‖/‖w‖", fmt(v("update_ratio"), !ex)]]
         : [["gradient", info.requires_grad ? "none" : "frozen (requires_grad=False)"], ["‖w‖", fmt(v("param_norm"))]];
-      // name over value, side by side where there is room and wrapping where there is not (a side panel)
-      const table = h("div", { class: "stats tnd-stats" }, cells.map(([k, x]) => h("span", {}, h("span", { class: "muted" }, k), h("b", { class: "num" }, x))));
+      // name over value, side by side where there is room and wrapping where there is not (a side panel);
+      // styled here, not in base.css, which every widget of every tool carries into a saved notebook
+      const table = h("div", { class: "tnd-stats", style: "display:flex;flex-wrap:wrap;margin:4px 0;white-space:nowrap" },
+        cells.map(([k, x]) => h("span", { style: "display:flex;flex-direction:column;min-width:76px;padding-right:8px" },
+          h("span", { class: "muted" }, k), h("span", { class: "num" }, x))));
       const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), table);
       if (row >= 0 && !Number.isNaN(range[(row * nP + p) * 2])) block.append(histSvg(row, p, log));
       else block.append(h("div", { class: "muted" }, "no histogram kept for this step"));
