@@ -159,3 +159,26 @@ def test_static_view_names_a_layer_as_the_widget_does() -> None:
     page = render.html(trace, ())
     assert "Layer #" in page and re.search(r"Layer #\d \(\d/3\): <code>m\.l\d</code>", page), \
         "the static layer heading: layer #i (k/N), as the widget's panel and slider"
+
+
+def test_numbers_are_written_as_the_statistics_write_them() -> None:
+    """One rule in every view (issue 26, item 4): plain from 1e-3 up to 1e5, an exponent outside.
+    %%grads wrote 1024 as 1.02e+03 in text and static HTML but 1.5e20 as 150000000000000000000 in the widget."""
+    from torch_nbdebug.data.stats import fmt_number
+
+    for v in (1024.0, 12345.6, 99999.0, 1.5e20, -5.136e21, 0.00123, 0.000123, 3e-9, 0.0, float("inf")):
+        assert render.fmt(v) == fmt_number(v), v
+    assert render.fmt(1024.0) == "1024" and render.fmt(1.5e20) == "1.5e+20" and render.fmt(2.5e-4) == "2.5e-04"
+    assert render.fmt(None) == "—" and render.fmt(float("nan")) == "—" and render.fmt(3e5, approx=True) == "≈3e+05"
+    trace = _trace(steps=2, layers=3)
+    trace.stats[:, :, FIELD["max_abs"]] = 8.125e19
+    trace.stats[:, :, FIELD["update_ratio"]] = 123456.0
+    text = render.text(trace, ())
+    assert "8.125e+19" in text and "1.235e+05" in text and "81250000000000000000" not in text
+    row = text.splitlines()[2]  # the columns line up under their headings however long the number
+    head = text.splitlines()[1]
+    assert row.index("8.125e+19") + len("8.125e+19") == head.index("max|g|") + len("max|g|")
+    page = render.html(trace, ())
+    assert "8.125e+19" in page and "1.235e+05" in page
+    # the wide tables scroll in their own box, so the pictures and headings stay put in a ~500 px panel
+    assert page.count('<div class="scroll"><table') == 2 and '<div class="scroll"><table class="tnd-grads-layers"' in page

@@ -65,7 +65,8 @@ def test_heatmap_marks_nan_and_inf_cells_red() -> None:
 
 def test_counts_are_whole_numbers() -> None:
     assert fmt_count(1024.0) == "1,024" and fmt_count(3.0, approx=True) == "≈3" and fmt_count(None) == "—"
-    assert grads_render.fmt(1024.0) == "1.02e+03"  # statistics keep three significant digits
+    # statistics as data/stats.py writes them (issue 26 item 4: an exponent from 1e5 up or below 1e-3)
+    assert grads_render.fmt(1024.0) == "1024"
 
 
 def test_every_widget_loads_the_shared_stylesheet() -> None:

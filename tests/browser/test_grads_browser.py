@@ -1,6 +1,8 @@
 """The gradient stepper in a real JupyterLab: next/keyboard move layer by layer, the histogram follows."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import expect
 
@@ -114,3 +116,41 @@ def test_layers_and_steps_are_numbered_one_way(lab) -> None:
                                             "recorded step 4 of 4")
     expect(root.locator("input.tnd-layer-slider")).to_have_attribute("aria-valuetext", "layer #1 (2/3): net.2")
     expect(root.locator("input.tnd-step-slider")).to_have_attribute("aria-valuetext", "step 3 (4/4)")
+
+
+HUGE = """
+import torch
+from torch import nn
+from torch_nbdebug import record_gradients
+
+torch.manual_seed(0)
+deep = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)], nn.Linear(16, 2))
+opt = torch.optim.SGD(deep.parameters(), lr=1e-22)
+with record_gradients(deep) as rec:
+    for _ in range(3):
+        opt.zero_grad()
+        (deep(torch.randn(8, 16)).sum() * 1e20).backward()
+        opt.step()
+rec.widget()
+"""
+
+
+@pytest.mark.parametrize("width", [900, 580])
+def test_numbers_are_written_one_way_and_the_view_fits(lab, width: int) -> None:
+    """Gradients of 1e20 were written 100000000000000000000 (the statistics write 1e+20) and the stats
+    table ran past a ~500 px side panel; the flow chart scrolled there."""
+    page = lab.run_notebook([HUGE], name=f"grads_numbers_{width}", viewport=(width, 1000))
+    root = lab.output(page, 0).locator(".tnd-grads")
+    stats = root.locator(".tnd-detail .tnd-stats").first
+    expect(stats).to_be_visible()
+    text = stats.inner_text()
+    assert "e+" in text and "e-" in text, text  # gradients ~1e20, update ratios ~1e-4: exponents
+    assert not re.search(r"\d{7}", text), f"a long run of digits in the layer's statistics: {text}"
+    root.scroll_into_view_if_needed()
+    area = root.evaluate("(r) => r.closest('.jp-OutputArea-output').clientWidth")
+    for part in (root, root.locator(".tnd-detail"), root.locator(".tnd-flow-box")):
+        sizes = part.evaluate("(e) => [e.scrollWidth, e.clientWidth]")
+        assert sizes[0] <= sizes[1] + 1, f"{part} scrolls sideways at {width} px: {sizes}"
+    for box in (stats.bounding_box(), root.locator("svg.tnd-flow").bounding_box()):
+        assert box is not None and box["width"] <= area + 1, (box, area)
+    lab.screenshot(root, f"grads_numbers_{width}")

@@ -18,6 +18,7 @@ import numpy as np
 import traitlets
 
 from torch_nbdebug.data.grads import ACT_FIELDS, FIELDS, Flag, GradTrace, Histogram
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.process.grads import flagged_layers, layer_arrays, layer_table, norm_heatmap
 from torch_nbdebug.render.html import esc, muted, table
 from torch_nbdebug.render.widget import View, esm_path
@@ -35,10 +36,11 @@ def fmt_count(value: Optional[float], approx: bool = False) -> str:
 
 
 def fmt(value: Optional[float], approx: bool = False) -> str:
+    """A statistic as every view writes it (:func:`fmt_number`: plain from 1e-3 up to 1e5, an exponent
+    outside); ``—`` for no value (a layer without a gradient), ``≈`` before an estimate."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
-    text = f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 or not math.isfinite(value) else f"{value:.2e}"
-    return ("≈" if approx else "") + text
+    return ("≈" if approx else "") + fmt_number(float(value))
 
 
 def _title(trace: GradTrace, step: int) -> str:
@@ -59,13 +61,13 @@ def text(trace: GradTrace, flags: tuple[Flag, ...], step: int = -1) -> str:
     by_layer = flagged_layers(tuple(f for f in flags if f.step == step))
     width = max([len(n) for n in trace.layer_names] + [5])
     kind_w = max([len(layer.kind) for layer in trace.layers] + [4])  # whole class names (MultiheadAttention)
-    lines.append(f"{'layer':<{width}}  {'type':<{kind_w}} {'norm':>9} {'mean|g|':>9} {'max|g|':>9} {'‖Δw‖/‖w‖':>9}  "
+    lines.append(f"{'layer':<{width}}  {'type':<{kind_w}} {'norm':>10} {'mean|g|':>10} {'max|g|':>10} {'‖Δw‖/‖w‖':>10}  "
                  "flags")
     for li, layer in enumerate(trace.layers):
         kinds = ",".join(f.kind for f in by_layer.get(li, []))
-        lines.append(f"{layer.name:<{width}}  {layer.kind:<{kind_w}} {fmt(table['norm'][li]):>9} "
-                     f"{fmt(table['mean_abs'][li]):>9} {fmt(table['max_abs'][li]):>9} "
-                     f"{fmt(table['update_ratio'][li]):>9}  {kinds}")
+        lines.append(f"{layer.name:<{width}}  {layer.kind:<{kind_w}} {fmt(table['norm'][li]):>10} "
+                     f"{fmt(table['mean_abs'][li]):>10} {fmt(table['max_abs'][li]):>10} "
+                     f"{fmt(table['update_ratio'][li]):>10}  {kinds}")
     for li, found in by_layer.items():
         for f in found:
             lines.append(f"  {f.kind}: {trace.layers[li].name}: {f.reason}")
@@ -304,7 +306,12 @@ def _layer_table_html(trace: GradTrace, flags: tuple[Flag, ...], step: int, curr
                      "<br>".join(_flag_text(f) for f in by_layer.get(li, []))))
     head = ["#", "layer", "type", "‖g‖", "mean |g|", "max |g|",
             '<abbr title="size of the last update relative to the weights">‖Δw‖/‖w‖</abbr>', "flags"]
-    return table(head, rows, numeric=[0, 3, 4, 5, 6], cls="tnd-grads-layers")
+    return _scrolls(table(head, rows, numeric=[0, 3, 4, 5, 6], cls="tnd-grads-layers"))
+
+
+def _scrolls(html_: str) -> str:
+    """A wide table scrolls in its own box (base.css), so the rest of the view stays in a narrow panel."""
+    return f'<div class="scroll">{html_}</div>'
 
 
 def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Flag, ...] = ()) -> str:
@@ -323,7 +330,7 @@ def _layer_detail_html(trace: GradTrace, layer: int, step: int, flags: tuple[Fla
             hists.append(f'<div style="display:inline-block;margin-right:16px;vertical-align:top"><b><code>'
                          f'{esc(p.info.short)}</code>.grad values</b><br>{hist_figure(p.info.short, p.hist)}</div>')
     head = ["parameter", "shape", "‖g‖", "mean", "std", "max |g|", "zeros", "NaN", "Inf", "‖w‖", "‖Δw‖/‖w‖"]
-    parts.append(table(head, rows, numeric=range(2, 11)))
+    parts.append(_scrolls(table(head, rows, numeric=range(2, 11))))
     parts.append(f"<div>{''.join(hists)}</div>")  # side by side where styles apply, else one under the other
     if lg.activation:
         parts.append("<p>activations: " + esc(", ".join(f"{k} {fmt(v)}" for k, v in lg.activation.items())) + "</p>")

@@ -2,23 +2,7 @@
 // collapsible details section (full message, files) and a copy button. Plain ES module, no deps.
 // Every user string (module names, lines, operand names, the message) goes in as a text node.
 
-// -- DOM helper ---------------------------------------------------------------------------------
-// h(tag, attrs, ...children): children may be nested arrays of any depth, nodes, strings or numbers;
-// null/undefined/false are skipped. Strings become text nodes, never HTML.
-function h(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (k === "class") node.className = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const c of children.flat(Infinity)) {
-    if (c === null || c === undefined || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
-  return node;
-}
+import { h, listen } from "./dom.js";
 
 // "`a` and `b`" -> ["", <code>a</code>, " and ", <code>b</code>]: the kernel marks code with backticks.
 function rich(text) {
@@ -135,12 +119,7 @@ export default {
       showExpanded();
     };
     draw();
-    model.on("change:diagnosis", draw);
-    model.on("change:expanded", showExpanded);
-    return () => {
-      clearTimeout(timer);
-      model.off("change:diagnosis", draw);
-      model.off("change:expanded", showExpanded);
-    };
+    const unlisten = listen(model, { "change:diagnosis": draw, "change:expanded": showExpanded });
+    return () => { clearTimeout(timer); unlisten(); };
   },
 };

@@ -5,30 +5,14 @@
 // bar is a Tab stop too (Enter/Space selects it). Text and axis colours come from base.css (the
 // theme); the canvas heatmap keeps its own colour scale, drawn on the theme's background.
 
-const SVG = "http://www.w3.org/2000/svg";
+import { h, s, num, count, floats, listen } from "./dom.js";
 
-function floats(view) {
-  if (!view || !view.byteLength) return new Float32Array(0);
-  const buf = view.buffer ? view.buffer : view;
-  const off = view.byteOffset || 0;
-  return new Float32Array(buf.slice(off, off + view.byteLength));
-}
+// Statistics as every view writes them (an exponent from 1e5 up or below 1e-3, as data/stats.py);
+// "—" where there is no value (a layer without a gradient is NaN in the float32 bytes).
+const fmt = (v, approx) => (v === null || v === undefined || Number.isNaN(v) ? "—" : (approx ? "≈" : "") + num(v));
 
-function fmt(v, approx) {
-  if (v === null || v === undefined || Number.isNaN(v)) return "—";
-  const a = Math.abs(v);
-  let t;
-  if (!Number.isFinite(v)) t = v > 0 ? "inf" : "-inf";
-  else if (a >= 1e-3 || v === 0) t = String(Number(v.toPrecision(3)));
-  else t = v.toExponential(2).replace(/\.?0+e/, "e");
-  return (approx ? "≈" : "") + t;
-}
-
-// Counts (zeros, NaN, Inf) as whole numbers: "1,024", not "1.02e+3".
-function fmtCount(v, approx) {
-  if (v === null || v === undefined || !Number.isFinite(v)) return "—";
-  return (approx ? "≈" : "") + Math.round(v).toLocaleString("en-US");
-}
+// Counts (zeros, NaN, Inf) as whole numbers: "1,024", not "1024.0".
+const fmtCount = (v, approx) => (v === null || v === undefined || !Number.isFinite(v) ? "—" : (approx ? "≈" : "") + count(v));
 
 // Histogram axis labels: the range's ends, and "0" under the zero line when it falls inside and clears
 // both ends by a gap (else the dashed line alone marks it). Widths are estimated, so the SVG needs no
@@ -38,7 +22,7 @@ const HIST_FONT = 10, CHAR_W = 6.2, GAP = 6;
 function endLabels(loText, hiText, zeroX, W) {
   const width = (t) => t.length * CHAR_W;
   if (width(loText) + width(hiText) + GAP > W) {
-    const short = (t) => { const v = Number(t.replace("≈", "")); return Number.isFinite(v) ? v.toPrecision(3) : t; };
+    const short = (t) => { const v = Number(t.replace("≈", "")); return Number.isFinite(v) ? num(v, 3) : t; };
     loText = short(loText); hiText = short(hiText);
   }
   const out = [[0, loText, "start"], [W, hiText, "end"]];
@@ -47,23 +31,6 @@ function endLabels(loText, hiText, zeroX, W) {
     if (zeroX - half >= width(loText) + GAP && zeroX + half <= W - width(hiText) - GAP) out.push([zeroX, "0", "middle"]);
   }
   return out;
-}
-
-function h(tag, attrs, ...kids) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else if (k === "style") el.style.cssText = v;
-    else el.setAttribute(k, v);
-  }
-  for (const kid of kids) el.append(kid);
-  return el;
-}
-
-function s(tag, attrs) {
-  const el = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
-  return el;
 }
 
 function render({ model, el }) {
@@ -107,8 +74,13 @@ function render({ model, el }) {
   const setLayer = (l) => { model.set("layer", clamp(l, nL)); model.save_changes(); };
   const setStep = (st) => { model.set("step", clamp(st, nS)); model.save_changes(); };
 
+  // The charts take the width there is (640 px where nothing says otherwise), so the flow of a dozen
+  // layers fits a ~500 px side panel; only a long model's bars scroll, inside their own box.
+  const widthThere = () => Math.floor(root.getBoundingClientRect().width) || 640;
+
   function drawFlow(st, cur) {
-    const w = Math.max(8, Math.min(40, Math.floor(640 / Math.max(nL, 1)))), H = 140, left = 58;
+    const H = 140, left = 58;
+    const w = Math.max(8, Math.min(40, Math.floor((Math.min(widthThere(), 700) - left - 10) / Math.max(nL, 1))));
     const vals = [];
     for (let l = 0; l < nL; l++) for (const k of [1, 2]) { const v = flowAt(st, l, k); if (v > 0 && isFinite(v)) vals.push(v); }
     let lo = vals.length ? Math.floor(Math.log10(Math.min(...vals))) : -8;
@@ -169,7 +141,7 @@ function render({ model, el }) {
 
   function drawHeat(st, cur) {
     if (nS < 2) return;
-    const cw = Math.max(2, Math.min(40, Math.floor(640 / nS))), ch = Math.max(4, Math.min(20, Math.floor(240 / nL)));
+    const cw = Math.max(2, Math.min(40, Math.floor(Math.min(widthThere(), 640) / nS))), ch = Math.max(4, Math.min(20, Math.floor(240 / nL)));
     const canvas = h("canvas", { width: nS * cw, height: nL * ch, class: "tnd-heatmap", style: "display:block;border:1px solid var(--tnd-border);cursor:pointer",
       role: "img", "aria-label": "gradient norm per layer and step; the arrow keys move the selected cell" });
     const ctx = canvas.getContext("2d");
@@ -242,8 +214,12 @@ function render({ model, el }) {
            ["zeros", fmtCount(v("zeros"), !ex)], ["NaN", fmtCount(v("nan"), !ex)], ["Inf", fmtCount(v("inf"), !ex)],
            ["‖w‖", fmt(v("param_norm"))], ["‖Δw‖/‖w‖", fmt(v("update_ratio"), !ex)]]
         : [["gradient", info.requires_grad ? "none" : "frozen (requires_grad=False)"], ["‖w‖", fmt(v("param_norm"))]];
-      const table = h("table", { class: "tnd-stats" }, h("tr", {}, ...cells.map(([k]) => h("th", { class: "num" }, k))), h("tr", {}, ...cells.map(([, x]) => h("td", { class: "num" }, x))));
-      const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), h("div", { class: "scroll" }, table));
+      // name over value, side by side where there is room and wrapping where there is not (a side panel);
+      // styled here, not in base.css, which every widget of every tool carries into a saved notebook
+      const table = h("div", { class: "tnd-stats", style: "display:flex;flex-wrap:wrap;margin:4px 0;white-space:nowrap" },
+        cells.map(([k, x]) => h("span", { style: "display:flex;flex-direction:column;min-width:76px;padding-right:8px" },
+          h("span", { class: "muted" }, k), h("span", { class: "num" }, x))));
+      const block = h("div", { class: "tnd-param", style: "margin-top:6px" }, h("div", {}, h("b", { class: "mono" }, info.short), h("span", { class: "mono muted" }, ` [${info.shape.join(", ")}] ${info.dtype}`)), table);
       if (row >= 0 && !Number.isNaN(range[(row * nP + p) * 2])) block.append(histSvg(row, p, log));
       else block.append(h("div", { class: "muted" }, "no histogram kept for this step"));
       kids.push(block);
@@ -296,15 +272,15 @@ function render({ model, el }) {
     if (moves[1]) setStep(model.get("step") + moves[1]);
   };
   root.addEventListener("keydown", onKey);
-  model.on("change:layer", redraw);
-  model.on("change:step", redraw);
-  model.on("change:log_scale", redraw);
+  const unlisten = listen(model, { "change:layer change:step change:log_scale": redraw });
   redraw();
+  let drawnFor = widthThere();  // a panel resized: the charts take the new width
+  const resized = new ResizeObserver(() => { if (widthThere() !== drawnFor) { drawnFor = widthThere(); redraw(); } });
+  resized.observe(root);
   return () => {
-    model.off("change:layer", redraw);
-    model.off("change:step", redraw);
-    model.off("change:log_scale", redraw);
+    unlisten();
     root.removeEventListener("keydown", onKey);
+    resized.disconnect();
   };
 }
 

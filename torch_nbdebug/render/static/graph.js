@@ -3,6 +3,8 @@
 // view. It opens at a readable zoom with the output in view, and paints the SVG with JupyterLab's
 // theme variables (light and dark). Plain ES module: no bundler, no CDN, no framework.
 
+import { h, count, listen } from "./dom.js";
+
 // Labels are 11 px in the SVG: below this zoom they would be drawn smaller than 10 px.
 const READABLE = 10 / 11;
 // The viewport is as tall as the first view needs at that zoom, between these (render/graph.py's
@@ -40,16 +42,6 @@ const THEME = `
 .tnd-graph-widget svg g.cluster[tabindex]:focus-visible > rect { stroke-dasharray: none; }
 `;
 
-function h(tag, attrs = {}, ...children) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (k === "class") el.className = v; else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else el.setAttribute(k, v);
-  }
-  for (const c of children) el.append(c);
-  return el;
-}
-
 function download(name, blob) {
   const a = h("a", { href: URL.createObjectURL(blob), download: name });
   document.body.append(a); a.click(); a.remove();
@@ -59,8 +51,7 @@ function download(name, blob) {
 function svgPng(svgText, done) {
   const img = new Image();
   img.onload = () => {
-    const c = document.createElement("canvas");
-    c.width = img.width * 2; c.height = img.height * 2;
+    const c = h("canvas", { width: img.width * 2, height: img.height * 2 });
     const ctx = c.getContext("2d");
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, c.width, c.height);
     ctx.scale(2, 2); ctx.drawImage(img, 0, 0);
@@ -78,7 +69,7 @@ function detailRows(d) {
   };
   if (d.kind === "group") {
     add("module", d.module || d.label); add("class", d.type); add("repeated", d.repeat);
-    add("autograd nodes", d.size); add("parameters", d.params ? `${d.params} (${d.numel.toLocaleString()} values)` : "");
+    add("autograd nodes", d.size); add("parameters", d.params ? `${d.params} (${count(d.numel)} values)` : "");
     add("gradients", d.grad); if (d.nan) add("NaN/Inf", `first birth inside (${d.nan})`);
   } else {
     add("kind", d.kind); add("op", d.op); add("output", d.shape);
@@ -256,11 +247,8 @@ export default {
     const onMsg = (msg) => {
       if (msg && msg.type === "dot") download("graph.dot", new Blob([msg.text], { type: "text/vnd.graphviz" }));
     };
-    model.on("msg:custom", onMsg);
-    model.on("change:svg", draw);
-    model.on("change:selected", draw);
-    model.on("change:details", showDetails);
-    model.on("change:matches", showMatches);
+    const unlisten = listen(model, { "msg:custom": onMsg, "change:svg change:selected": draw,
+      "change:details": showDetails, "change:matches": showMatches });
     draw(); showDetails();
     let tries = 0;
     const open = () => { // once the output area has laid the view out (it may be hidden at first)
@@ -268,9 +256,6 @@ export default {
       opening();
     };
     requestAnimationFrame(open);
-    return () => {
-      model.off("msg:custom", onMsg); model.off("change:svg", draw); model.off("change:selected", draw);
-      model.off("change:details", showDetails); model.off("change:matches", showMatches);
-    };
+    return unlisten;
   },
 };

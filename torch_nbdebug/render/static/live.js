@@ -2,44 +2,15 @@
 // line, and panels sent by the kernel: "lines" (series over steps), "stack" (stacked areas over time) or
 // "table". The kernel replaces this view with the final report when the cell ends. Plain ES module.
 
-const SVG = "http://www.w3.org/2000/svg";
+import { h, s, num, bytes, count, listen } from "./dom.js";
+
 const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#bf8700", "#8250df", "#0a7ea4", "#bc4c00", "#6e7781",
   "#d4a72c", "#116329"];
 const W = 560, H = 170, PAD = { l: 64, r: 8, t: 8, b: 26 };
 const MAX_LEGEND = 10;
 
-function h(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k === "class") node.className = v;
-    else node.setAttribute(k, v);
-  }
-  for (const c of children.flat(Infinity)) {
-    if (c === null || c === undefined || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c))); // text nodes: never HTML
-  }
-  return node;
-}
-
-function s(tag, attrs, ...children) {
-  const node = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
-  for (const c of children.flat(Infinity)) {
-    if (c === null || c === undefined) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
-  return node;
-}
-
-function bytes(v) {
-  const units = ["B", "KB", "MB", "GB", "TB"];
-  let i = 0;
-  let x = Math.abs(v);
-  while (x >= 1024 && i < units.length - 1) { x /= 1024; i += 1; }
-  return `${(Math.sign(v) * x).toFixed(x >= 100 || i === 0 ? 0 : 1)} ${units[i]}`;
-}
-
-const num = (v, unit) => (unit === "bytes" ? bytes(v) : Number(Number(v).toPrecision(3)).toString());
+// A value on an axis or in a tooltip: bytes in binary units, anything else as the statistics write it.
+const value = (v, unit) => (unit === "bytes" ? bytes(v) : num(v));
 
 export function clock(seconds) {
   const t = Math.max(0, Math.floor(seconds));
@@ -53,8 +24,8 @@ function axes(xmin, xmax, ymin, ymax, xlabel, yfmt) {
   g.append(s("line", { x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b, stroke: "#d0d7de" }));
   g.append(s("text", { x: PAD.l - 4, y: PAD.t + 8, "text-anchor": "end" }, yfmt(ymax)));
   g.append(s("text", { x: PAD.l - 4, y: H - PAD.b, "text-anchor": "end" }, yfmt(ymin)));
-  g.append(s("text", { x: PAD.l, y: H - 8 }, num(xmin)));
-  g.append(s("text", { x: W - PAD.r, y: H - 8, "text-anchor": "end" }, num(xmax)));
+  g.append(s("text", { x: PAD.l, y: H - 8 }, value(xmin)));
+  g.append(s("text", { x: W - PAD.r, y: H - 8, "text-anchor": "end" }, value(xmax)));
   if (xlabel) g.append(s("text", { x: (W + PAD.l) / 2, y: H - 8, "text-anchor": "middle" }, xlabel));
   return g;
 }
@@ -84,7 +55,7 @@ function lines(p) {
   const lo = Math.min(...all), hi = Math.max(...all);
   const { xmin, xmax, sx, sy } = scales(x, lo, hi);
   const svg = s("svg", { width: W, height: H, class: "plot live-plot", viewBox: `0 0 ${W} ${H}` });
-  svg.append(axes(xmin, xmax, lo, hi, p.xlabel, (v) => num(log ? 10 ** v : v, p.unit)));
+  svg.append(axes(xmin, xmax, lo, hi, p.xlabel, (v) => value(log ? 10 ** v : v, p.unit)));
   series.forEach((se, i) => {
     let d = "";
     let pen = "M";
@@ -107,14 +78,14 @@ function stack(p) {
   const tops = x.map((_, k) => series.reduce((acc, se) => acc + (se.y[k] || 0), 0));
   const { xmin, xmax, sx, sy } = scales(x, 0, Math.max(...tops));
   const svg = s("svg", { width: W, height: H, class: "plot live-plot", viewBox: `0 0 ${W} ${H}` });
-  svg.append(axes(xmin, xmax, 0, Math.max(...tops), p.xlabel, (v) => num(v, p.unit)));
+  svg.append(axes(xmin, xmax, 0, Math.max(...tops), p.xlabel, (v) => value(v, p.unit)));
   const base = x.map(() => 0);
   series.forEach((se, i) => {
     const top = base.map((b, k) => b + (se.y[k] || 0));
     const up = x.map((xv, k) => `${sx(xv).toFixed(1)},${sy(top[k]).toFixed(1)}`);
     const down = x.map((xv, k) => `${sx(xv).toFixed(1)},${sy(base[k]).toFixed(1)}`).reverse();
     const area = s("polygon", { points: [...up, ...down].join(" "), fill: COLORS[i % COLORS.length], "fill-opacity": 0.7 });
-    area.append(s("title", {}, `${se.name}: ${num(se.y[se.y.length - 1] || 0, p.unit)} now`));
+    area.append(s("title", {}, `${se.name}: ${value(se.y[se.y.length - 1] || 0, p.unit)} now`));
     svg.append(area);
     top.forEach((v, k) => { base[k] = v; });
   });
@@ -152,7 +123,7 @@ export default {
       head.replaceChildren(...[
         h("b", {}, model.get("title")), " ",
         h("span", { class: running ? "live-state" : "live-state muted" }, running ? "● running" : "stopped"), " · ",
-        h("span", { class: "live-steps" }, `${steps.toLocaleString()} step${steps === 1 ? "" : "s"}`), " · ",
+        h("span", { class: "live-steps" }, `${count(steps)} step${steps === 1 ? "" : "s"}`), " · ",
         h("span", { class: "live-elapsed" }, clock(elapsed)),
         model.get("status") ? [" · ", h("span", { class: model.get("alert") ? "bad live-status" : "live-status" },
           model.get("status"))] : []].flat());
@@ -162,18 +133,8 @@ export default {
     header();
     panels();
     const timer = setInterval(header, 1000);
-    model.on("change:elapsed", onElapsed);
-    model.on("change:steps", header);
-    model.on("change:status", header);
-    model.on("change:running", header);
-    model.on("change:panels", panels);
-    return () => {
-      clearInterval(timer);
-      model.off("change:elapsed", onElapsed);
-      model.off("change:steps", header);
-      model.off("change:status", header);
-      model.off("change:running", header);
-      model.off("change:panels", panels);
-    };
+    const unlisten = listen(model, { "change:elapsed": onElapsed, "change:steps change:status change:running": header,
+      "change:panels": panels });
+    return () => { clearInterval(timer); unlisten(); };
   },
 };

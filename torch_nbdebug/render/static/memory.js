@@ -3,19 +3,12 @@
 // Colours of text, axes and grid come from base.css (JupyterLab's theme); the chart shrinks to the
 // output's width (viewBox), wide tables scroll in their own box, and a row's details show on
 // keyboard focus as they do on hover.
-const NS = "http://www.w3.org/2000/svg";
+import { h, s, bytes, count, place, listen } from "./dom.js";
+
 // The chart is drawn at the width there is (up to FULL_W), never shrunk below its text's size:
 // in a ~500 px side panel its labels stay 10 px.
 const FULL_W = 760, FULL_H = 270, MIN_W = 320, MIN_H = 190, L = 78, R = 12, T = 18, B = 32;
 
-function fmtBytes(n) {
-  if (n === null || n === undefined) return "-";
-  let v = Math.abs(n); const sign = n < 0 ? "-" : "";
-  for (const u of ["B", "KiB", "MiB", "GiB"]) {
-    if (v < 1024 || u === "GiB") return sign + (u === "B" ? v.toFixed(0) : v.toFixed(1)) + " " + u;
-    v /= 1024;
-  }
-}
 // Round byte values for the y axis: 1/2/2.5/5 × a power of ten in the largest unit that fits.
 function niceTicks(top, count = 4) {
   if (!(top > 0)) return [0];
@@ -26,26 +19,11 @@ function niceTicks(top, count = 4) {
   for (let k = 0; k * step <= top; k++) out.push(k * step);
   return out;
 }
-function svg(tag, attrs, parent) {
-  const e = document.createElementNS(NS, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (parent) parent.appendChild(e);
-  return e;
-}
-function html(tag, attrs, parent, text) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = text;  // textContent: user strings are never parsed as HTML
-  if (parent) parent.appendChild(e);
-  return e;
-}
+// This view builds top-down: each element made by dom.js's h or s and appended to its parent.
+const html = (tag, attrs, parent, text) => { const e = h(tag, attrs, text); if (parent) parent.append(e); return e; };
+const svg = (tag, attrs, parent) => { const e = s(tag, attrs); if (parent) parent.append(e); return e; };
 function shape(a) { return a.dtype ? `${a.dtype}[${a.shape.join(", ")}]` : "(allocator block)"; }
-function where(l) {  // as SourceLine.location: "In [7], line 3" names the cell (its temp file's name means nothing)
-  const cell = l.filename.includes("ipykernel_") || l.filename.startsWith("<ipython-input");
-  const at = l.cell !== null && l.cell !== undefined ? `In [${l.cell}], line ${l.lineno}`
-    : cell ? `cell line ${l.lineno}` : `${l.filename}:${l.lineno}`;
-  return at + (l.function && l.function !== "<module>" ? ` in ${l.function}()` : "") + (l.text ? `: ${l.text}` : "");
-}
+const where = (l) => place(l) + (l.text ? `: ${l.text}` : "");
 function lineOf(a) { return a.line ? where(a.line) : ""; }
 
 function allocTable(parent, allocs, labels, cats, colors, detail, leaked) {
@@ -54,7 +32,7 @@ function allocTable(parent, allocs, labels, cats, colors, detail, leaked) {
   for (const h of ["size", "tensor", "category", "held by", "module", "allocated at"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
   for (const a of allocs) {
     const tr = html("tr", { class: leaked.has(a.id) ? "alloc leak" : "alloc", tabindex: "0" }, table);
-    html("td", { class: "num" }, tr, fmtBytes(a.nbytes));
+    html("td", { class: "num" }, tr, bytes(a.nbytes));
     html("td", { class: "mono nowrap" }, tr, shape(a));
     const cat = html("td", { class: "nowrap" }, tr);
     html("span", { class: "swatch", style: `background:${colors[cats.indexOf(a.category)]}` }, cat);
@@ -65,7 +43,7 @@ function allocTable(parent, allocs, labels, cats, colors, detail, leaked) {
     html("td", { class: "mono src", title: lineOf(a) }, tr, lineOf(a));
     const show = () => {
       tr.classList.add("hl");
-      detail.textContent = `${fmtBytes(a.nbytes)} ${shape(a)} · ${a.category} · op ${a.op || "-"} · phase ${a.phase}` +
+      detail.textContent = `${bytes(a.nbytes)} ${shape(a)} · ${a.category} · op ${a.op || "-"} · phase ${a.phase}` +
         ` · module ${a.module || "-"} · alive events ${a.start}–${a.end === null ? "end" : a.end}` +
         (a.line ? ` · ${lineOf(a)}` : "");
     };
@@ -117,7 +95,7 @@ function renderTimeline(model, el) {
     const card = html("div", { class: "card" }, leakBox);
     html("b", {}, card, "Leak: ");
     html("b", { class: "mono" }, card, leak.holder);
-    card.appendChild(document.createTextNode(` holds ${leak.count.toLocaleString("en-US")} tensor(s), ${fmtBytes(leak.nbytes)}`));
+    card.appendChild(document.createTextNode(` holds ${count(leak.count)} tensor(s), ${bytes(leak.nbytes)}`));
     if (leak.has_graph) { card.appendChild(document.createTextNode(" — ")); html("span", { class: "bad" }, card, "autograd graph attached"); }
     if (leak.names && leak.names.length) html("div", { class: "muted mono" }, card, leak.names.join(", "));
     if (leak.line) html("div", { class: "mono src" }, card, `allocated at ${where(leak.line)}`);
@@ -195,7 +173,7 @@ function renderTimeline(model, el) {
     svg("line", { x1: L, x2: L, y1: T, y2: H - B, stroke: "#57606a", class: "axis" }, chart);
     for (const b of niceTicks(ymax / 1.08)) {
       svg("line", { x1: L - 3, x2: L, y1: sy(b), y2: sy(b), stroke: "#57606a", class: "axis" }, chart);
-      svg("text", { x: L - 5, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = fmtBytes(b).replace(".0 ", " ");
+      svg("text", { x: L - 5, y: sy(b) + 3, "text-anchor": "end", fill: "#57606a" }, chart).textContent = bytes(b).replace(".0 ", " ");
     }
     const mid = (T + H - B) / 2;
     svg("text", { x: 11, y: mid, "text-anchor": "middle", fill: "#57606a", transform: `rotate(-90 11 ${mid})` }, chart).textContent = "memory allocated";
@@ -209,7 +187,7 @@ function renderTimeline(model, el) {
     if (meta.peak.step >= lo && meta.peak.step <= hi) {
       const px = sx(meta.peak.step);
       svg("line", { x1: px, x2: px, y1: T, y2: H - B, stroke: "#cf222e", class: "red-line" }, chart);
-      svg("text", { x: Math.min(px + 4, W - 120), y: T - 5, fill: "#cf222e", "font-weight": 600, class: "bad" }, chart).textContent = `peak ${fmtBytes(meta.peak.bytes)}`;
+      svg("text", { x: Math.min(px + 4, W - 120), y: T - 5, fill: "#cf222e", "font-weight": 600, class: "bad" }, chart).textContent = `peak ${bytes(meta.peak.bytes)}`;
     }
     svg("line", { class: "cursor fg-line", x1: -10, x2: -10, y1: T, y2: H - B, stroke: "#24292f", "stroke-opacity": 0.5 }, chart);
     svg("rect", { class: "brush", x: 0, y: T, width: 0, height: H - T - B, fill: "#0969da", "fill-opacity": 0.15 }, chart);
@@ -232,11 +210,11 @@ function renderTimeline(model, el) {
     while (k < hiK) { const m = (k + hiK) >> 1; if (v.steps[m] < step) k = m + 1; else hiK = m; }
     const cur = chart.querySelector(".cursor");
     cur.setAttribute("x1", scale.sx(v.steps[k])); cur.setAttribute("x2", scale.sx(v.steps[k]));
-    const parts = v.series.map((col, c) => col[k] ? `${meta.labels[c]} ${fmtBytes(col[k])}` : null).filter(Boolean);
+    const parts = v.series.map((col, c) => col[k] ? `${meta.labels[c]} ${bytes(col[k])}` : null).filter(Boolean);
     const total = v.series.reduce((s, col) => s + col[k], 0);
     const phase = v.phases.find((p) => p.start - 1 <= v.steps[k] && v.steps[k] <= p.end);
-    tip.textContent = `event ${v.steps[k]} · t=${v.time_s[k].toFixed(4)} s · total ${fmtBytes(total)}` +
-      (v.reserved ? ` · reserved ${fmtBytes(v.reserved[k])}` : "") + (phase ? ` · ${phase.phase} (iteration ${phase.iteration})` : "") +
+    tip.textContent = `event ${v.steps[k]} · t=${v.time_s[k].toFixed(4)} s · total ${bytes(total)}` +
+      (v.reserved ? ` · reserved ${bytes(v.reserved[k])}` : "") + (phase ? ` · ${phase.phase} (iteration ${phase.iteration})` : "") +
       (parts.length ? " · " + parts.join(", ") : "");
     if (dragFrom) {
       const brush = chart.querySelector(".brush");
@@ -253,11 +231,11 @@ function renderTimeline(model, el) {
   chart.addEventListener("mousedown", onDown);
   chart.addEventListener("mousemove", onMove);
   window.addEventListener("mouseup", onUp);
-  model.on("change:view", draw);
+  const unlisten = listen(model, { "change:view": draw });
   draw();
   const resized = new ResizeObserver(() => { if (Math.floor(root.getBoundingClientRect().width) !== drawnFor) draw(); });
   resized.observe(root);
-  return () => { model.off("change:view", draw); window.removeEventListener("mouseup", onUp); resized.disconnect(); };
+  return () => { unlisten(); window.removeEventListener("mouseup", onUp); resized.disconnect(); };
 }
 
 function renderState(model, el) {
@@ -273,14 +251,14 @@ function renderState(model, el) {
     if (!st.by_category[c]) return;
     const s = html("span", {}, keys);
     html("span", { class: "swatch", style: `background:${meta.colors[i]}` }, s);
-    s.appendChild(document.createTextNode(`${meta.labels[i]} ${fmtBytes(st.by_category[c])}`));
+    s.appendChild(document.createTextNode(`${meta.labels[i]} ${bytes(st.by_category[c])}`));
   });
   const tip = html("div", { class: "mono muted tip", "aria-live": "polite" }, root, "hover or focus the bar or a row");
   const total = Math.max(st.live_bytes, 1);
   meta.categories.forEach((c, i) => {
     const v = st.by_category[c] || 0;
     if (!v) return;
-    const text = `${meta.labels[i]}: ${fmtBytes(v)} (${(100 * v / total).toFixed(1)}%)`;
+    const text = `${meta.labels[i]}: ${bytes(v)} (${(100 * v / total).toFixed(1)}%)`;
     const seg = html("div", { "data-category": c, tabindex: "0", "aria-label": text }, bar);
     Object.assign(seg.style, { width: `${(100 * v) / total}%`, background: meta.colors[i] });
     const show = () => { tip.textContent = text; };
@@ -295,10 +273,10 @@ function renderState(model, el) {
     for (const h of ["size", "tensor", "category", "held by", "autograd graph"]) html("th", { class: h === "size" ? "num" : "" }, head, h);
     for (const t of st.top.filter((t) => t.name.includes(filter.value))) {
       const tr = html("tr", { tabindex: "0" }, table);
-      html("td", { class: "num" }, tr, fmtBytes(t.nbytes)); html("td", { class: "mono nowrap" }, tr, shape(t));
+      html("td", { class: "num" }, tr, bytes(t.nbytes)); html("td", { class: "mono nowrap" }, tr, shape(t));
       html("td", {}, tr, meta.labels[meta.categories.indexOf(t.category)]); html("td", { class: "mono" }, tr, t.name);
       html("td", { class: t.has_graph ? "bad" : "" }, tr, t.has_graph ? "yes" : "");
-      const show = () => { tip.textContent = `${t.name}: ${fmtBytes(t.nbytes)} ${shape(t)} on ${t.device}`; };
+      const show = () => { tip.textContent = `${t.name}: ${bytes(t.nbytes)} ${shape(t)} on ${t.device}`; };
       tr.addEventListener("mouseenter", show);
       tr.addEventListener("focus", show);
     }

@@ -5,37 +5,12 @@
 // Alerts are listed one row per step and kind (the per-layer rows folded under it).
 // Plain ES module, no CDN. `smoothing`, `log_scale`, `zoom` and `panel` sync both ways.
 
-const SVG = "http://www.w3.org/2000/svg";
+import { h, s, num, floats, listen } from "./dom.js";
+
 const W = 640, H = 150, PAD = { l: 56, r: 12, t: 8, b: 24 };
 const SERIES = "#0969da";
 const FLAT_TOL = 1e-9;  // as process.monitor.FLAT_TOL: a spread below this fraction of the value is flat
 const ALERT = { "non-finite": "#cf222e", spike: "#bc4c00", plateau: "#9a6700", vanishing: "#8250df", exploding: "#bc4c00" };
-
-function floats(view) {
-  if (!view || !view.byteLength) return new Float32Array(0);
-  const buf = view.buffer ? view.buffer : view;
-  const off = view.byteOffset || 0;
-  return new Float32Array(buf.slice(off, off + view.byteLength));
-}
-
-function h(tag, attrs, ...kids) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else el.setAttribute(k, v);
-  }
-  for (const kid of kids.flat()) if (kid !== null && kid !== undefined) el.append(kid);
-  return el;
-}
-
-function s(tag, attrs, text) {
-  const el = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
-  if (text !== undefined) el.textContent = text;
-  return el;
-}
-
-const num = (v) => numAt(v, 4);
 
 // TensorBoard-style debiased exponential moving average, skipping non-finite points.
 function smooth(y, w) {
@@ -68,12 +43,6 @@ function tickLabels(values, fmt) {
   return values.map((v, i) => (i && fmt(v, 12) === fmt(values[i - 1], 12) ? "" : fmt(v, 12)));
 }
 
-function numAt(v, digits) {
-  if (!Number.isFinite(v)) return String(v);
-  const a = Math.abs(v);
-  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(digits - 2) : String(Number(v.toPrecision(digits)));
-}
-
 // One chart: lines over steps within [x0, x1]; drag to zoom; hover for values; alerts as dashed lines.
 function chart({ x, lines, log, x0, x1, alerts, label, onZoom }) {
   const inRange = (k) => x[k] >= x0 && x[k] <= x1;
@@ -93,7 +62,7 @@ function chart({ x, lines, log, x0, x1, alerts, label, onZoom }) {
   svg.append(s("line", { x1: PAD.l, y1: H - PAD.b, x2: W - PAD.r, y2: H - PAD.b, stroke: "#8c959f" }));
   svg.append(s("line", { x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b, stroke: "#8c959f" }));
   const fr = [0, 0.5, 1], ys = fr.map((f) => lo + f * (hi - lo));
-  const yLabels = tickLabels(ys.map((v) => (log ? 10 ** v : v)), numAt);
+  const yLabels = tickLabels(ys.map((v) => (log ? 10 ** v : v)), num);
   const xLabels = tickLabels(fr.map((f) => Math.round(x0 + f * (x1 - x0))), (v) => String(v));
   fr.forEach((f, i) => {
     svg.append(s("text", { x: PAD.l - 4, y: sy(ys[i]) + 4, "text-anchor": "end", "font-size": 10, fill: "#57606a",
@@ -248,10 +217,7 @@ function render({ model, el }) {
   }
 
   draw();
-  const names = ["change:meta", "change:values", "change:norms", "change:ratios", "change:smoothing",
-    "change:log_scale", "change:zoom", "change:panel"];
-  for (const n of names) model.on(n, draw);
-  return () => { for (const n of names) model.off(n, draw); };
+  return listen(model, { "change:meta change:values change:norms change:ratios change:smoothing change:log_scale change:zoom change:panel": draw });
 }
 
 export default { render };

@@ -3,39 +3,17 @@
 // the card). Plain ES module, no deps; colours from base.css (JupyterLab's theme), wide tables scroll
 // in their own box.
 
+import { h, num, count, listen } from "./dom.js";
+
 const PHASE = { forward: "forward", backward: "backward", optimizer: "optimizer step", input: "input data" };
 const KIND = { nan: "NaN", inf: "Inf" };
 const CONTEXT = 6; // lines shown either side of the birth line (same as the static view)
-
-function h(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined) continue;
-    if (k === "class") node.className = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v);
-  }
-  for (const c of children.flat(Infinity)) {
-    if (c === null || c === undefined || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c))); // text nodes: never HTML
-  }
-  return node;
-}
-
-// As data/stats.py's fmt_number: plain from 1e-3 up to 1e5, else an exponent (8.125e+19, not 81250000000000000000).
-const fmt = (v) => {
-  if (v === null || v === undefined) return "";
-  if (typeof v !== "number" || !Number.isFinite(v)) return String(v);
-  const a = Math.abs(v);
-  if (v === 0 || (a >= 1e-3 && a < 1e5)) return String(Number(v.toPrecision(4)));
-  return v.toExponential(3).replace(/\.?0+e/, "e").replace(/e([+-])(\d)$/, "e$10$2");
-};
 
 function brief(s) {
   if (!s) return "";
   let t = `${s.dtype}[${s.shape.join(", ")}]`;
   if (s.note) return `${t} (${s.note})`;
-  if (s.min !== null && s.max !== null) t += ` min=${fmt(s.min)} max=${fmt(s.max)}`;
+  if (s.min !== null && s.max !== null) t += ` min=${num(s.min)} max=${num(s.max)}`;
   if (s.nan) t += ` nan=${s.nan}`;
   if (s.inf) t += ` inf=${s.inf}`;
   return t;
@@ -62,8 +40,8 @@ function moduleCalls(report) {
 // What was checked, in words; same rule as NanSummary.checked.
 function checked(report) {
   const ops = report.ops_checked || 0, calls = moduleCalls(report);
-  return `${ops.toLocaleString()} op${ops === 1 ? "" : "s"}` +
-    (calls ? ` and ${calls.toLocaleString()} module call${calls === 1 ? "" : "s"}` : "") + " checked";
+  return `${count(ops)} op${ops === 1 ? "" : "s"}` +
+    (calls ? ` and ${count(calls)} module call${calls === 1 ? "" : "s"}` : "") + " checked";
 }
 
 // As data/source.py's line_label: "line 3" in the watched cell, "In [2], line 3" in another,
@@ -145,7 +123,7 @@ const breakable = (path) => String(path).split(".").flatMap((part, i) => (i ? ["
 function statCells(finite, values) {
   if (finite === null || finite === undefined) return values.map(() => h("td", { class: "muted num" }, "—"));
   if (!finite) return [h("td", { class: "bad", colspan: "3" }, "NaN/Inf")];
-  return values.map((v) => h("td", { class: "num" }, fmt(v)));
+  return values.map((v) => h("td", { class: "num" }, num(v)));
 }
 
 // In a narrow output (a ~500 px side panel) a module's name gets a row of its own above its numbers,
@@ -223,11 +201,6 @@ export default {
       }
     };
     draw();
-    model.on("change:report", draw);
-    model.on("change:selected", draw);
-    return () => {
-      model.off("change:report", draw);
-      model.off("change:selected", draw);
-    };
+    return listen(model, { "change:report change:selected": draw });
   },
 };

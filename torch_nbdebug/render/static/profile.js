@@ -3,25 +3,9 @@
 // and ops; a line's row opens the statement with the lines around it. Plain ES module, no CDN.
 // `zoom` and `opened` sync both ways.
 
-const SVG = "http://www.w3.org/2000/svg";
+import { h, s, place, listen } from "./dom.js";
+
 const W = 720, BAR_H = 170, LINE_H = 64, PAD = { l: 48, r: 12, t: 10, b: 24 };
-
-function h(tag, attrs, ...kids) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else el.setAttribute(k, v);
-  }
-  for (const kid of kids.flat()) if (kid !== null && kid !== undefined) el.append(kid);
-  return el;
-}
-
-function s(tag, attrs, text) {
-  const el = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
-  if (text !== undefined) el.textContent = text;
-  return el;
-}
 
 function ms(v) {
   if (v === null || v === undefined || !Number.isFinite(v)) return "-";
@@ -31,12 +15,6 @@ function ms(v) {
 }
 
 const pct = (v) => `${Math.round(v * 100)}%`;
-
-function where(line) {
-  if (!line) return "";
-  const at = line.cell !== null && line.cell !== undefined ? `In [${line.cell}], line ${line.lineno}` : `${line.filename}:${line.lineno}`;
-  return line.function && line.function !== "<module>" ? `${at} in ${line.function}()` : at;
-}
 
 function legend(r) {
   return h("div", { class: "tnd-legend" }, r.categories.map((c) =>
@@ -141,7 +119,7 @@ function opened(row) {
 function lines(r, model) {
   const open = model.get("opened");
   const toggle = (k) => { model.set("opened", open === k ? -1 : k); model.save_changes(); };
-  const rows = r.lines.slice(0, 15).map((row) => [row.where || where(row.line), h("code", {}, row.line.text), ms(row.ms), pct(row.share), row.ops.toFixed(0)]);
+  const rows = r.lines.slice(0, 15).map((row) => [row.where || place(row.line), h("code", {}, row.line.text), ms(row.ms), pct(row.share), row.ops.toFixed(0)]);
   const parts = [h("p", {}, h("b", {}, "Top lines"), " (a row opens its line)"),
     table(["where", "statement", "per step", "share", "ops"], rows, toggle)];
   if (open >= 0 && open < r.lines.length) parts.push(opened(r.lines[open]));
@@ -172,14 +150,7 @@ function render({ model, el }) {
     el.replaceChildren(h("div", { class: "tnd tnd-profile tnd-profile-widget" }, parts));
   };
   draw();
-  model.on("change:report", draw);
-  model.on("change:zoom", draw);
-  model.on("change:opened", draw);
-  return () => {
-    model.off("change:report", draw);
-    model.off("change:zoom", draw);
-    model.off("change:opened", draw);
-  };
+  return listen(model, { "change:report change:zoom change:opened": draw });
 }
 
 export default { render };
