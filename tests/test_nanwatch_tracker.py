@@ -15,8 +15,11 @@ class _Log(CallWatcher):
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log = name, log
 
-    def call_started(self, args: Any, outermost: bool) -> None:
-        self.log.append(f"{self.name} started {outermost}")
+    def outermost_started(self) -> None:
+        self.log.append(f"{self.name} model")
+
+    def call_started(self, args: Any) -> None:
+        self.log.append(f"{self.name} started")
 
     def call_entered(self, path: str, module: nn.Module) -> None:
         self.log.append(f"{self.name} entered {path}")
@@ -47,8 +50,8 @@ def test_subscribers_are_told_in_order_and_not_while_a_replay_runs() -> None:
         thread.replaying = True
         model(torch.ones(1, 2))
         thread.replaying = False
-    assert calls == ["a started True", "b started True", "a entered model", "only entered model", "b entered model",
-                     "a started False", "b started False", "a entered model.0", "only entered model.0",
+    assert calls == ["a model", "b model", "a started", "b started", "a entered model", "only entered model",
+                     "b entered model", "a started", "b started", "a entered model.0", "only entered model.0",
                      "b entered model.0", "a returned model.0 False", "b returned model.0 False",
                      "a returned model True", "b returned model True"]
     assert log == calls  # a replay's module calls: nobody told

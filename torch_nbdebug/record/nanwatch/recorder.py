@@ -39,7 +39,7 @@ from torch_nbdebug.record.nanwatch.modules.verdicts import ModuleVerdicts
 from torch_nbdebug.record.nanwatch.recording import NanRecording
 from torch_nbdebug.record.nanwatch.replay.backward import BackwardGate, BackwardWatch
 from torch_nbdebug.record.nanwatch.replay.births import name_backward_births
-from torch_nbdebug.record.nanwatch.replay.boundaries import ModelBoundaries
+from torch_nbdebug.record.nanwatch.replay.boundaries import ModelBoundaries, ModuleMoves
 from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer
 from torch_nbdebug.record.nanwatch.replay.outputs import KeptOutputs
 
@@ -91,12 +91,15 @@ class NanRecorder(Recorder):
         self.backward_watch: Optional[BackwardWatch] = None
         self.keeper: Optional[KeptOutputs] = None
         self.boundaries: Optional[ModelBoundaries] = None
+        self.moves: Optional[ModuleMoves] = None  # replay without its backward layer: where forward ops ran
         if self.replayer is not None:
             self.keeper = self.table.keeper = KeptOutputs(self, self.layers, self.replayer, self.verdicts,
                                                           self.model_calls, self._depth)
             if self.options.backward:
                 self.backward_watch = BackwardWatch(self, self.replayer.note)
                 self.table.bad_gradient = self.backward_watch.gradient_bad
+            else:  # where forward ops inside a model ran, from the module boundaries crossed
+                self.moves = ModuleMoves(self)
             self.boundaries = ModelBoundaries(self, self.switch, self.model_calls, self.backward_watch,
                                               self._optimizer_busy)
 
@@ -132,7 +135,8 @@ class NanRecorder(Recorder):
                                                                             with_kwargs=replay, always_call=replay)))
         tracker = self._tracker = ThreadTracker(self.thread, self.namespace)
         # (the order matters: the table first; replay's boundaries before its kept outputs)
-        for watcher in (self.table, self.boundaries, self.keeper) if replay else (self.table, self.verdicts):
+        for watcher in (self.table, self.moves, self.boundaries, self.keeper) if replay else (self.table,
+                                                                                             self.verdicts):
             if watcher is not None:
                 tracker.subscribe(watcher)
         scope.callback(tracker.remove)  # (idempotent; also what a failed enter left)
@@ -182,8 +186,8 @@ class NanRecorder(Recorder):
         finally:
             self.produced.clear()
             self.places.clear()
-            if self.boundaries is not None:
-                self.boundaries.forget()
+            if self.moves is not None:
+                self.moves.forget()
             self.table.forget()
             if self.backward_watch is not None:
                 self.backward_watch.forget(everything=True)
@@ -199,7 +203,7 @@ class NanRecorder(Recorder):
         log.dropped = int(carry and self.log.has_events())  # the rules read "was a birth reported before"
         self.log, self.places.by_seq = log, places
         try:
-            with self.boundaries.isolated() if self.boundaries is not None else contextlib.nullcontext():
+            with self.moves.isolated() if self.moves is not None else contextlib.nullcontext():
                 yield log, places
         finally:
             self.log, self.places.by_seq = saved
@@ -273,8 +277,8 @@ class NanRecorder(Recorder):
 
     def forward_place(self, seq: int) -> Optional[Place]:
         place = self.places.by_seq.get(seq)
-        if place is None and self.boundaries is not None:  # replay: an op inside a model's forward, no mode ran
-            return self.boundaries.place_of(seq)
+        if place is None and self.moves is not None:  # replay: an op inside a model's forward, no mode ran
+            return self.moves.place_of(seq)
         return place
 
     def keep_handle(self, handle: Any) -> None:

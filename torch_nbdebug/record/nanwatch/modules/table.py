@@ -154,7 +154,8 @@ class ModuleTable(CallWatcher):
             self.layers.take_forward(path, last[1])
             if last[2] is not None:
                 last[2].paths.append(path)
-            self.verdicts.passed_up(path, module, args, t)
+            if self._module_mode:
+                self.verdicts.passed_up(path, module, args, t)
             return
         if self._module_mode:  # no dispatch mode runs: our statistics ops need no quieting
             self._record_exit(path, module, args, t)

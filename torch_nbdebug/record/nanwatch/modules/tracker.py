@@ -35,7 +35,10 @@ class CallWatcher:
     """A subscriber of :class:`ThreadTracker`: what it overrides is called, in the order of subscription, for
     the watching thread's module calls, never while a replay runs."""
 
-    def call_started(self, args: Any, outermost: bool) -> None:
+    def outermost_started(self) -> None:
+        """An outermost call (a model's) starts: told before :meth:`call_started`."""
+
+    def call_started(self, args: Any) -> None:
         """A call starts (its forward pre-hook), before its path enters the stack."""
 
     def call_entered(self, path: str, module: torch.nn.Module) -> None:
@@ -53,12 +56,15 @@ class ThreadTracker(ModuleTracker):
         super().__init__(namespace)
         self.thread = thread
         # the subscribers' overrides, by event (a loop over bound methods: runs at every module call)
-        self._started: tuple[Callable[[Any, bool], None], ...] = ()
+        self._outermost: tuple[Callable[[], None], ...] = ()
+        self._started: tuple[Callable[[Any], None], ...] = ()
         self._entered: tuple[Callable[[str, torch.nn.Module], None], ...] = ()
         self._returned: tuple[Callable[[torch.nn.Module, Any, Optional[str], bool], None], ...] = ()
 
     def subscribe(self, watcher: CallWatcher) -> None:
         kind = type(watcher)
+        if kind.outermost_started is not CallWatcher.outermost_started:
+            self._outermost += (watcher.outermost_started,)
         if kind.call_started is not CallWatcher.call_started:
             self._started += (watcher.call_started,)
         if kind.call_entered is not CallWatcher.call_entered:
@@ -74,8 +80,11 @@ class ThreadTracker(ModuleTracker):
             return
         stack, quiet = self.stack, thread.replaying
         if not quiet:
+            if not stack:
+                for outermost in self._outermost:
+                    outermost()
             for started in self._started:
-                started(args, not stack)
+                started(args)
         path = self.namer.name(module, stack[-1] if stack else None)
         stack.append(path)
         if not quiet:

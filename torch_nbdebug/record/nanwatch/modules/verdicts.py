@@ -34,9 +34,8 @@ class ModuleVerdicts(CallWatcher):
         self._left_inside: Optional[weakref.ref[torch.Tensor]] = None  # an output left to its enclosing module
         self.left_at = LeftAt()  # calls left to their enclosing module
 
-    def call_started(self, args: Any, outermost: bool) -> None:
-        if outermost:  # (see coming_in)
-            self._model_seq = compat.next_sequence_nr()
+    def outermost_started(self) -> None:
+        self._model_seq = compat.next_sequence_nr()  # (see coming_in)
 
     def coming_in(self, inputs: list[torch.Tensor]) -> tuple[bool, ...]:
         """Which of a call's inputs count as data coming in. A top-level call's do; a nested call's unless

@@ -1,8 +1,12 @@
-"""Replay's view of the outermost model calls, as the module tracker reports them: the per-op mode is off
-while a model's forward runs (its module layer watches it); a new forward names the backward births of the
-last one first; the ops run inside a forward get their module (and the model call's line) from the module
-boundaries crossed, so a backward birth can name where its forward op ran; a call that ran without the
-per-op mode hands its outputs to the backward layer (:mod:`replay.backward`)."""
+"""Replay's view of the model calls, as the module tracker reports them.
+
+- :class:`ModelBoundaries`: the per-op mode is off while a model's forward runs (its module layer watches
+  it); a new forward names the backward births of the last one first; a model call that ran without the
+  per-op mode hands its outputs to the backward layer (:mod:`replay.backward`).
+- :class:`ModuleMoves` (when the backward layer is off): the module boundaries crossed in forward, so a
+  backward birth of an op run inside a model, where no mode ran, is given its module and the model call's
+  line.
+"""
 from __future__ import annotations
 
 import bisect
@@ -33,63 +37,61 @@ class BoundaryHost(Protocol):
 
 class ModelBoundaries(CallWatcher):
     """``backward`` (replay's backward layer, when backward ops are watched) checks the backward of a model
-    call whose forward ran without the per-op mode; without it, the module boundaries are remembered
-    (:meth:`place_of`). ``busy``: an optimizer step runs."""
+    call whose forward ran without the per-op mode. ``busy``: an optimizer step runs."""
 
     def __init__(self, host: BoundaryHost, switch: ModeSwitch, model_calls: ModelCalls,
                  backward: Optional[BackwardWatch], busy: Callable[[], bool]) -> None:
         self.host, self.switch, self.model_calls, self.backward, self._busy = host, switch, model_calls, backward, busy
         self.model_off = False  # the mode was taken off while a model's forward runs
-        # (sequence nr, module path now) at each module boundary in forward, and the model call's line
-        self._moves: list[tuple[int, Optional[str]]] = []
-        self._model_place: Optional[Place] = None
 
-    # -- the tracker's calls ------------------------------------------------------------------
-    def call_started(self, args: Any, outermost: bool) -> None:
-        if not outermost:
-            return
+    def outermost_started(self) -> None:
         if compat.current_autograd_node() is not None:
             return  # a forward run by backward (checkpointing): part of the running backward
         switch = self.switch
         if self.model_calls.calls and switch.mode is not None:
             self.host.name_backward_births()  # a new forward: the last one's backward is done
-        self._model_place = here(None, None)
         if not switch.on_top() or switch.suspended or self._busy():
             return
         switch.suspend()
         self.model_off = True
 
-    def call_entered(self, path: str, module: torch.nn.Module) -> None:
-        if self.backward is None:
-            self._moved()
-
     def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
-        if self.backward is None:
-            self._moved()
         if not outermost:
             return
-        if self.backward is not None:
-            self._model_ended(module, output, path)
-        if self.model_off:
-            self.model_off = False
-            self.switch.resume()
-
-    def _model_ended(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
-        """The outermost call returned; if its forward ran without the per-op mode, its backward is checked
-        by the backward layer (the gradients into its outputs are kept until then)."""
         if self.model_off and self.backward is not None and torch.is_grad_enabled():
+            # its backward is checked by the backward layer (the gradients into its outputs are kept until then)
             try:
                 self.backward.model_called(module, output, path)
             except Exception as exc:  # noqa: BLE001 - see OpWatchMode
                 self.host.internal_error(f"the output of {type(module).__name__}", exc)
+        if self.model_off:
+            self.model_off = False
+            self.switch.resume()
+
+
+class ModuleMoves(CallWatcher):
+    """(sequence nr, module path now) at each module boundary in forward, and the model call's line."""
+
+    def __init__(self, host: BoundaryHost) -> None:
+        self.host = host
+        self._moves: list[tuple[int, Optional[str]]] = []
+        self._model_place: Optional[Place] = None
+
+    def outermost_started(self) -> None:
+        if compat.current_autograd_node() is None:  # (a forward run by backward: the running backward's)
+            self._model_place = here(None, None)
+
+    def call_entered(self, path: str, module: torch.nn.Module) -> None:
+        self._moved()
+
+    def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
+        self._moved()
 
     def _moved(self) -> None:
-        """A module call started or ended in forward (see :meth:`place_of`)."""
         if len(self._moves) > _NODE_CAP:
             del self._moves[: _NODE_CAP // 2]
         self._moves.append((compat.next_sequence_nr(), self.host.module_path()))
 
-    # -- what the recorder asks ---------------------------------------------------------------
     def place_of(self, seq: int) -> Optional[Place]:
         """The place of an op inside a model's forward, where no mode ran: its module, the model call's line."""
         if not self._moves:

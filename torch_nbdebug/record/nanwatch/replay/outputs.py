@@ -47,7 +47,7 @@ class KeptOutputs(CallWatcher):
         self.saw_half = False  # a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
 
     # -- the tracker's calls ------------------------------------------------------------------
-    def call_started(self, args: Any, outermost: bool) -> None:
+    def call_started(self, args: Any) -> None:
         """The forward pre-hook's view of a call (before it enters the stack)."""
         del self._starts[self._depth():]
         self._starts.append(call_start(args))
