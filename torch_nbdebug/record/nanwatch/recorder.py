@@ -224,6 +224,7 @@ class NanRecorder(Recorder):
         name_backward_births(self)
 
     def _module_fallback(self, entry: Any, first: int) -> None:
+        """The replayer's module-level report (it is made before the verdicts, which take its ``note``)."""
         self.verdicts.module_fallback(entry, first)
 
     def watched(self, iteration: int) -> Any:
