@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_nbdebug.record.lifecycle import HookScope
+from torch_nbdebug.record.lifecycle import CallDispatchMode, CallFunctionMode, HookScope, TensorHooks
 from torch_nbdebug.record.modules import global_hook_counts
 
 
@@ -133,3 +133,42 @@ def test_a_stop_during_close_leaves_nothing_installed() -> None:
         scope.close()
     assert undone == ["first", "last"]
     assert global_hook_counts() == before and len(module._forward_hooks) == 0 and len(scope) == 0
+
+
+def test_tensor_hooks_are_all_removed_past_a_failure_and_pruned_when_their_tensor_is_gone() -> None:
+    """The hooks a recorder puts on tensors while it runs: a long loop does not keep the dead ones' handles,
+    and removing them all goes on past one that fails (each failure is handed over, none raised)."""
+    class Failing:
+        def hooks_dict_ref(self) -> Any:
+            return self
+
+        def remove(self) -> None:
+            raise RuntimeError("cannot remove")
+
+    hooks = TensorHooks(cap=2)
+    hooks.keep(Failing())  # (removed first: the others still go)
+    kept = torch.ones(2, requires_grad=True)
+    hooks.keep(kept.register_hook(lambda g: g))
+    for _ in range(3):  # tensors gone at once: their handles are forgotten past the cap
+        hooks.keep(torch.ones(2, requires_grad=True).register_hook(lambda g: g))
+    assert len(hooks._handles) == 2
+    failures: list[Exception] = []
+    hooks.remove_all(failures.append)
+    assert [str(f) for f in failures] == ["cannot remove"]
+    assert len(kept._backward_hooks or {}) == 0 and not hooks._handles
+
+
+def test_call_modes_hand_each_call_to_the_recorder_and_its_result_back() -> None:
+    seen: list[str] = []
+
+    def handler(func: Any, args: Any, kwargs: dict) -> Any:
+        seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+    x = torch.ones(3)
+    with CallFunctionMode(handler):
+        y = torch.add(x, 1)
+    with CallDispatchMode(handler):
+        z = x * 2
+    assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(z, torch.full((3,), 2.0))
+    assert "add" in seen and any("mul" in name for name in seen)

@@ -840,7 +840,7 @@ def test_a_finite_step_puts_one_pre_hook_per_masking_node_and_replays_nothing(
     made: list[str] = []
     replays: list[str] = []
 
-    class Counted(nanwatch_backward._Absorber):
+    class Counted(nanwatch_backward.Absorber):
         __slots__ = ()
 
         def __init__(self, watch: Any, region: Any) -> None:
@@ -853,7 +853,7 @@ def test_a_finite_step_puts_one_pre_hook_per_masking_node_and_replays_nothing(
         replays.append(region.path)
         return real(self, region)
 
-    monkeypatch.setattr(nanwatch_backward, "_Absorber", Counted)
+    monkeypatch.setattr(nanwatch_backward, "Absorber", Counted)
     monkeypatch.setattr(nanwatch_backward_calls.CallChecks, "_replay", counted)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))

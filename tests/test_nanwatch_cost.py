@@ -212,7 +212,7 @@ def test_a_watched_backward_lists_the_weights_without_module_parameters(monkeypa
 def test_the_backward_walk_names_each_node_class_once_and_knows_a_padding_embedding() -> None:
     """The walk before the engine starts judges a node by its class (``name()`` read once per class);
     an embedding masks its gradient only with a ``padding_idx``, whichever came first."""
-    from torch_nbdebug.record.nanwatch.replay.backward import _KINDS, BackwardWatch
+    from torch_nbdebug.record.nanwatch.replay.backward import KINDS as _KINDS, BackwardWatch
 
     weight = torch.randn(5, 3, requires_grad=True)
     idx = torch.tensor([0, 1, 2])

@@ -24,7 +24,7 @@ SRC = open(__file__).read().splitlines()
 
 @pytest.fixture(autouse=True, params=[True, False], ids=["cpu-read-at-exit", "device-read-with-the-model"])
 def read_at_exit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch_nbdebug.record.nanwatch.modules import checks as nanwatch_modules
+    from torch_nbdebug.record.nanwatch.replay import outputs as nanwatch_modules
 
     monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", request.param)
 

@@ -172,7 +172,7 @@ def test_kept_outputs_on_a_device_are_read_once_per_model_call(monkeypatch: pyte
     """``replay=True``, outputs on a device (CUDA: the CPU stands in, its read-at-exit switched off): the
     module outputs of a forward are read together, with one host read, when the model returns (not one
     read per module)."""
-    from torch_nbdebug.record.nanwatch.modules import checks as nanwatch_modules
+    from torch_nbdebug.record.nanwatch.replay import outputs as nanwatch_modules
 
     monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", False)
     model, idx = SmallGPT(), torch.randint(0, 512, (2, 16))
@@ -277,7 +277,7 @@ def test_an_inplace_module_is_known_as_getattr_knows_it(module: nn.Module) -> No
     """The check before an in-place module runs (it may overwrite a kept output) asks what
     ``getattr(module, "inplace", False) is True`` says, for instance attributes, class attributes,
     properties and modules forwarding attribute lookups."""
-    from torch_nbdebug.record.nanwatch.modules.checks import declares_inplace
+    from torch_nbdebug.record.nanwatch.replay.outputs import declares_inplace
 
     assert declares_inplace(module) is (getattr(module, "inplace", False) is True)
 
@@ -318,7 +318,7 @@ def test_a_finite_forward_walks_up_the_stack_once_for_the_model_call_and_has_the
     with watch:
         line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
         out = model(x)
-        calls = list(watch._recorder.modules.model_calls.calls)
+        calls = list(watch._recorder.model_calls.calls)
         out.sum().backward()
     assert walks == ["model"]  # finite outputs need no line: only the model call's (it names backward births)
     assert len(calls) == 1

@@ -266,7 +266,7 @@ class RMSNet(nn.Module):
 @pytest.mark.parametrize("grad", [True, False])  # (no_grad: the norm's input is freed before the check)
 def test_float16_rmsnorm_overflow_absorbed_inside_the_module(read_at_exit: bool, grad: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch_nbdebug.record.nanwatch.modules import checks as nanwatch_modules
+    from torch_nbdebug.record.nanwatch.replay import outputs as nanwatch_modules
 
     monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", read_at_exit)
     torch.manual_seed(0)

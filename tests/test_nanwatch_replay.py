@@ -28,7 +28,7 @@ SRC = open(__file__).read().splitlines()
 def read_at_exit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test here runs both ways a kept module output is read: a CPU's, as its module returns, and
     a device's (CUDA), with the others when the model returns (the CPU stands in)."""
-    from torch_nbdebug.record.nanwatch.modules import checks as nanwatch_modules
+    from torch_nbdebug.record.nanwatch.replay import outputs as nanwatch_modules
 
     monkeypatch.setattr(nanwatch_modules, "READ_AT_EXIT", request.param)
 

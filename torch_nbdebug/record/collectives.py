@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch_nbdebug.record.compat import (FLIGHT_RECORDER_ENV, below_autograd, collective_work, current_autograd_node,
                                          drop_library, flight_recorder_dump)
 from torch_nbdebug.record.source import user_position
+from torch_nbdebug.record.tensors import tensors_in
 
 KEEP = 64  # collectives kept in full; older ones only counted
 KEEP_SENT = 16  # the first collectives this rank sent non-finite values into (the later ones only pass them on)
@@ -173,7 +174,7 @@ class CollectiveLog:
         return oldest
 
     def _enter(self, func: Any, args: Any) -> dict[str, Any]:
-        tensors = _tensors(args)
+        tensors = tensors_in(args, 3)  # (the op's arguments, lists of lists of tensors among them)
         step = self.clock.steps
         bucket = None
         if current_autograd_node() is not None:  # DDP's reducer all-reduces its gradient buckets in backward
@@ -268,20 +269,6 @@ def flight_recorder_wait() -> Optional[dict[str, Any]]:
 
 def _plain(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if not k.startswith("_")}
-
-
-def _tensors(args: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    out.append(b)
-                elif isinstance(b, (list, tuple)):
-                    out.extend(c for c in b if isinstance(c, torch.Tensor))
-    return out
 
 
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

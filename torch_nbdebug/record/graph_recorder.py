@@ -22,11 +22,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.graph import NO_SEQUENCE, children_of, module_types, node_name
-from torch_nbdebug.record.lifecycle import HookScope
+from torch_nbdebug.record.lifecycle import CallFunctionMode, HookScope
 from torch_nbdebug.record.modules import ModuleTracker, module_roots
 
 # The last recording's module map, so ``%graph loss`` in a later cell still knows the modules.
@@ -45,18 +44,6 @@ def next_sequence_nr() -> int:
     return compat.next_sequence_nr()
 
 
-class _Stamp(TorchFunctionMode):
-    def __init__(self, recorder: "GraphRecorder") -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
-        out = func(*args, **(kwargs or {}))
-        self.recorder.claim(out, self.recorder.tracker.current)
-        return out
-
-
 class GraphRecorder:
     """Context manager recording the module of every autograd node created inside it."""
 
@@ -66,7 +53,7 @@ class GraphRecorder:
         self.types: dict[str, str] = {}
         self.top_outputs: list[weakref.ref[torch.Tensor]] = []  # top-level module outputs, never kept alive
         self.tracker = ModuleTracker(namespace, on_enter=self._enter, on_exit=self._exit)
-        self._mode = _Stamp(self)
+        self._mode = CallFunctionMode(self._stamp)
         self._scope = HookScope()
         self._start = NO_SEQUENCE
         self._thread = threading.get_ident()
@@ -90,6 +77,13 @@ class GraphRecorder:
                 with _LAST_LOCK:
                     _LAST["modules"] = dict(self.modules)
                     _LAST["types"] = dict(self.types)
+
+    def _stamp(self, func: Any, args: Any, kwargs: dict) -> Any:
+        """Every torch function: run it, then claim the autograd nodes it made for the running module."""
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
+        out = func(*args, **kwargs)
+        self.claim(out, self.tracker.current)
+        return out
 
     def outputs(self) -> list[torch.Tensor]:
         """The still-alive outputs of the top-level modules called while recording, with a grad_fn."""

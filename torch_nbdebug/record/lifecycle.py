@@ -17,17 +17,25 @@ Jupyter Stop (an asynchronous ``KeyboardInterrupt``) between two steps. :class:`
   runs, so nothing is undone twice). An undo that fails does not stop the others: they all run, then
   the first failure is raised, with the others added as notes.
 
-Imports the standard library and record/interrupts.py.
+Also: the small modes a recorder enters to see each call (:class:`CallDispatchMode`, :class:`CallFunctionMode`),
+the hooks it puts on tensors while it runs (:class:`TensorHooks`), and ``with recorder:`` (:class:`Recorder`).
+Imports torch, record/compat.py and record/interrupts.py.
 """
 from __future__ import annotations
 
+import abc
+
 from typing import Any, Callable, ContextManager, Protocol, TypeVar
 
+from torch.overrides import TorchFunctionMode
+
+from torch_nbdebug.record.compat import TorchDispatchMode
 from torch_nbdebug.record.interrupts import deferred_interrupts
 
-__all__ = ["HookScope", "Removable"]
+__all__ = ["CallDispatchMode", "CallFunctionMode", "HookScope", "Recorder", "Removable", "TensorHooks"]
 
 C = TypeVar("C", bound=ContextManager[Any])
+R = TypeVar("R", bound="Recorder")
 
 
 class Removable(Protocol):
@@ -101,3 +109,75 @@ class HookScope:
             for other in failures[1:]:
                 first.add_note(f"also failed while removing a recorder's hooks: {type(other).__name__}: {other}")
             raise first
+
+
+class TensorHooks:
+    """The hooks a recorder puts on tensors and autograd nodes while it runs, each removed when it stops;
+    past ``cap`` of them, those whose tensor or node is gone are forgotten (a long loop)."""
+
+    __slots__ = ("_handles", "_cap")
+
+    def __init__(self, cap: int = 4096) -> None:
+        self._handles: list[Any] = []
+        self._cap = cap
+
+    def keep(self, handle: Any) -> None:
+        self._handles.append(handle)
+        if len(self._handles) > self._cap:
+            self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]
+
+    def remove_all(self, failed: Callable[[Exception], None]) -> None:
+        """Remove every one, even when removing another failed (a hook left behind changes the program):
+        each failure goes to ``failed``."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            try:
+                handle.remove()
+            except Exception as exc:  # noqa: BLE001 - keep removing
+                failed(exc)
+
+
+class Recorder(abc.ABC):
+    """A recorder as a context manager: ``with recorder:`` is ``start()``, then ``stop()`` whatever happens."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Install everything (with a :class:`HookScope`); on failure, nothing is left installed."""
+
+    @abc.abstractmethod
+    def stop(self) -> Any:
+        """Remove everything; what was recorded."""
+
+    def __enter__(self: R) -> R:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+Handler = Callable[[Any, Any, dict], Any]
+
+
+class _Handled:
+    """A mode that hands each call to its recorder's ``handler(func, args, kwargs)``, which runs it."""
+
+    def __init__(self, handler: Handler) -> None:
+        super().__init__()
+        self.handler = handler
+
+
+class CallDispatchMode(_Handled, TorchDispatchMode):
+    """Each ATen op goes to ``handler(func, args, kwargs)``; what it returns is the op's result."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
+        return self.handler(func, args, kwargs or {})
+
+
+class CallFunctionMode(_Handled, TorchFunctionMode):
+    """Each torch function goes to ``handler(func, args, kwargs)``; what it returns is the call's result."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
+        return self.handler(func, args, kwargs or {})

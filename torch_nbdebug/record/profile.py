@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch_nbdebug.data.profile import Capture, Event, Pattern, Sample, Status
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.record import compat
-from torch_nbdebug.record.interrupts import deferred_interrupts
+from torch_nbdebug.record.lifecycle import HookScope
 from torch_nbdebug.record.modules import ModuleNamer
 from torch_nbdebug.record.profile_sampler import LineSampler
 from torch_nbdebug.record.source import line_of, skipped_note
@@ -53,21 +53,17 @@ class ModuleRanges:
         self.active = True
         self._on_top = on_top          # called before a top-level module call (the recorder's safe point)
         self._stack: list[tuple[str, Any]] = []
-        self._handles: list[Any] = []
 
-    def install(self) -> None:
+    def install(self, scope: HookScope) -> None:
+        """The global module hooks (and torch's warning about them, held while they are on), taken off by
+        ``scope``; what a Stop inside a forward left open is closed after them."""
         compat.global_hook_warning.acquire()
-        self._handles = [compat.global_hook_warning]  # released with the hooks
-        self._handles.append(register_module_forward_pre_hook(self._pre))
-        self._handles.append(register_module_forward_hook(self._post, always_call=True))
+        scope.callback(compat.global_hook_warning.release)
+        scope.callback(self._close_open)
+        scope.hook(register_module_forward_pre_hook(self._pre))
+        scope.hook(register_module_forward_hook(self._post, always_call=True))
 
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in reversed(handles):
-            if handle is compat.global_hook_warning:
-                handle.release()
-            else:
-                handle.remove()
+    def _close_open(self) -> None:
         while self._stack:  # a Stop inside a forward: close what it left open
             _, rf = self._stack.pop()
             if rf is not None:
@@ -107,7 +103,7 @@ class ProfileRecorder:
         self._namespace = namespace
         self._sampler = LineSampler(interval)
         self._ranges: Optional[ModuleRanges] = None
-        self._handles: list[Any] = []
+        self._scope = HookScope()
         self._clock_opt: Optional[weakref.ref[Any]] = None
         self._marks: list[int] = []        # perf_counter_ns at each clock step's end
         self._stepped = 0
@@ -130,19 +126,20 @@ class ProfileRecorder:
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "ProfileRecorder":
-        try:
-            with deferred_interrupts():
-                self._start_profiler()
-                self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
-                self._handles.append(register_optimizer_step_post_hook(self._post_step))
-                self._ranges = ModuleRanges(self._namespace, self._at_top)
-                self._ranges.install()
-                self._sampler.start()
-                self._mark_start()
-        except BaseException:
-            self.remove()
-            raise
+        self._scope.open(self._install)
         return self
+
+    def _install(self, scope: HookScope) -> None:
+        scope.callback(self._release)  # (last: also when the profiler could not start)
+        scope.callback(self._stop_profiler)
+        self._start_profiler()
+        scope.hook(register_optimizer_step_pre_hook(self._pre_step))
+        scope.hook(register_optimizer_step_post_hook(self._post_step))
+        self._ranges = ModuleRanges(self._namespace, self._at_top)
+        self._ranges.install(scope)
+        scope.callback(self._sampler.stop)
+        self._sampler.start()
+        self._mark_start()
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
@@ -179,19 +176,10 @@ class ProfileRecorder:
             self.profiler.stop()
 
     def remove(self) -> None:
+        """Take everything off (a Stop meanwhile is raised once all of it is); safe to call again."""
         if self._running and not self._end_ns:
             self._end_ns = time.perf_counter_ns()  # the profiled time ends here, before our clean-up
-        with deferred_interrupts():  # a Stop here is raised once everything is removed
-            try:
-                self._sampler.stop()
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
-                if self._ranges is not None:
-                    self._ranges.remove()
-            finally:
-                self._stop_profiler()
-                self._release()
+        self._scope.close()
 
     def _release(self) -> None:
         """Drop the namespace (a twin's is the caller's frame: it would keep its locals alive), saying

@@ -21,9 +21,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.data.repro import Fingerprint, OpPlace, OpTrace, Phase, nondeterministic_on
-from torch_nbdebug.record.compat import (tensor_version, StorageWeakRef, TorchDispatchMode, current_autograd_node,
+from torch_nbdebug.record.compat import (tensor_version, StorageWeakRef, current_autograd_node,
                                          next_sequence_nr, node_sequence_nr, storage_key, tensor_key)
-from torch_nbdebug.record.lifecycle import HookScope
+from torch_nbdebug.record.lifecycle import CallDispatchMode, HookScope
 from torch_nbdebug.record.modules import ModuleTracker
 from torch_nbdebug.record.repro.ops import (FingerprintValue, OpInfo, fingerprint_now, fingerprint_tensor,
                                             fingerprintable, named_tensors, op_info, read_fingerprints,
@@ -34,16 +34,6 @@ from torch_nbdebug.record.source import user_frame
 Slot = Any  # ("fp" | "fpd", index, shape, dtype) | ("ref", op, k) | ("mark", text) | None
 _FLUSH_EVERY = 64
 _COPY: Slot = ("mark", "a copy of its input")
-
-
-class _Mode(TorchDispatchMode):
-    def __init__(self, recorder: "ReproRecorder") -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in the user's tracebacks
-        return self.recorder.on_op(func, args, kwargs or {})
 
 
 class ReproRecorder:
@@ -94,7 +84,7 @@ class ReproRecorder:
         self._optimizer_depth = 0
         self._last_seq = -1
         self._tracker = ModuleTracker(namespace)
-        self._mode = _Mode(self)
+        self._mode = CallDispatchMode(self.on_op)
         self._scope = HookScope()
 
     # -- scope ---------------------------------------------------------------------------------

@@ -36,3 +36,8 @@ class LiveRef:
         """The tensor while it lives and holds the same values (not written in place since)."""
         t = self._ref()
         return t if t is not None and version_of(t) == self.version else None
+
+    def changed(self) -> bool:
+        """Alive, and written in place since it was taken."""
+        t = self._ref()
+        return t is not None and version_of(t) != self.version

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.tensors import tensors_in
 
 _expired = compat.storage_expired
 _free = compat.free_storage_weak_ref
@@ -26,12 +27,11 @@ class StorageRegistry:
         return len(self._keys)
 
     def add_all(self, out: Any) -> None:
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor):  # (the common case, at every op: no list)
             self.add(out)
-        elif isinstance(out, (tuple, list)):
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    self.add(t)
+        else:
+            for t in tensors_in(out):
+                self.add(t)
 
     def add(self, t: torch.Tensor) -> None:
         try:
@@ -48,14 +48,13 @@ class StorageRegistry:
 
     def discard_all(self, out: Any) -> None:
         """Forget outputs written from outside data (an in-place copy_ into a produced buffer)."""
-        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-            if isinstance(t, torch.Tensor):
-                try:
-                    weak = self._keys.pop(compat.storage_id(t.untyped_storage()), None)
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if weak is not None:
-                    _free(weak)
+        for t in tensors_in(out):
+            try:
+                weak = self._keys.pop(compat.storage_id(t.untyped_storage()), None)
+            except (RuntimeError, NotImplementedError):
+                continue
+            if weak is not None:
+                _free(weak)
 
     def contains(self, t: torch.Tensor) -> bool:
         try:

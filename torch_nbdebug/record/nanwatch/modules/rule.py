@@ -1,7 +1,7 @@
 """Module mode's one rule: what a module call saw (its inputs, what the log held) -> its verdict.
 
 Both paths judge a non-finite module output with it: the immediate one as the module exits
-(``ModuleChecks.module_birth``), the deferred one when its queued check is read (``DeferredChecks``).
+(``ModuleVerdicts.module_birth``), the deferred one when its queued check is read (``DeferredChecks``).
 :func:`judge_module_call` is pure and tested on hand-built facts, as ``judge`` is at op level;
 :class:`LeftAt` keeps the one piece of state the rule reads across calls.
 """

@@ -1,5 +1,6 @@
 """The module tracker of a watch: the path stack of the modules running in the watching thread, and the
-subscribers told as calls start and end (the module checks; with replay, the recorder's model boundaries)."""
+subscribers it tells as calls start, enter the stack and return (the per-layer table; module mode's
+verdicts; with replay, the model's boundaries and replay's kept outputs)."""
 from __future__ import annotations
 
 import functools
@@ -9,53 +10,95 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from torch_nbdebug.record.modules import ModuleTracker
-from torch_nbdebug.record.nanwatch.modules.checks import ModuleChecks
+
+
+class WatchThread:
+    """The thread a watch watches. Module hooks are global: another thread's modules (its own watch, a
+    worker) are not ours, and say so in ``other_thread``. ``replaying``: a replay runs, the module layer
+    keeps out of it."""
+
+    __slots__ = ("thread_id", "other_thread", "replaying")
+
+    def __init__(self) -> None:
+        self.thread_id = threading.get_ident()
+        self.other_thread = False
+        self.replaying = False
+
+    def mine(self) -> bool:
+        if threading.get_ident() == self.thread_id:
+            return True
+        self.other_thread = True
+        return False
+
+
+class CallWatcher:
+    """A subscriber of :class:`ThreadTracker`: what it overrides is called, in the order of subscription, for
+    the watching thread's module calls, never while a replay runs."""
+
+    def outermost_started(self) -> None:
+        """An outermost call (a model's) starts: told before :meth:`call_started`."""
+
+    def call_started(self, args: Any) -> None:
+        """A call starts (its forward pre-hook), before its path enters the stack."""
+
+    def call_entered(self, path: str, module: torch.nn.Module) -> None:
+        """A call's path entered the stack."""
+
+    def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
+        """A call returned (or raised: the hook is ``always_call``); its path left the stack."""
 
 
 class ThreadTracker(ModuleTracker):
-    """Module hooks are global: only modules running in the watching thread enter its path stack
-    (another thread's modules, under their own watch or none, would be named in our events)."""
+    """Only modules running in the watching thread enter the path stack (another thread's modules, under
+    their own watch or none, would be named in our events)."""
 
-    def __init__(self, checks: ModuleChecks, namespace: Optional[Mapping[str, Any]],
-                 outer: Optional[Callable[[bool], None]] = None, moved: Optional[Callable[[], None]] = None,
-                 ended: Optional[Callable[[torch.nn.Module, Any, Optional[str]], None]] = None, **kw: Any) -> None:
-        super().__init__(namespace, **kw)
-        self._checks = checks
-        self._ended = ended  # replay: the outermost call returned (module, output, its path)
-        self._outer = outer  # replay: told when the outermost module call starts (True) and ends (False)
-        self._moved: Callable[[], None] = moved or (lambda: None)
+    def __init__(self, thread: WatchThread, namespace: Optional[Mapping[str, Any]]) -> None:
+        super().__init__(namespace)
+        self.thread = thread
+        # the subscribers' overrides, by event (a loop over bound methods: runs at every module call)
+        self._outermost: tuple[Callable[[], None], ...] = ()
+        self._started: tuple[Callable[[Any], None], ...] = ()
+        self._entered: tuple[Callable[[str, torch.nn.Module], None], ...] = ()
+        self._returned: tuple[Callable[[torch.nn.Module, Any, Optional[str], bool], None], ...] = ()
+
+    def subscribe(self, watcher: CallWatcher) -> None:
+        kind = type(watcher)
+        if kind.outermost_started is not CallWatcher.outermost_started:
+            self._outermost += (watcher.outermost_started,)
+        if kind.call_started is not CallWatcher.call_started:
+            self._started += (watcher.call_started,)
+        if kind.call_entered is not CallWatcher.call_entered:
+            self._entered += (watcher.call_entered,)
+        if kind.call_returned is not CallWatcher.call_returned:
+            self._returned += (watcher.call_returned,)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        # Runs at every module call: ModuleTracker._pre and ModuleChecks.mine inlined.
-        checks = self._checks
-        if threading.get_ident() != checks.thread_id:
-            checks.other_thread = True
+        # Runs at every module call: ModuleTracker._pre and WatchThread.mine inlined.
+        thread = self.thread
+        if threading.get_ident() != thread.thread_id:
+            thread.other_thread = True
             return
-        stack, outer = self.stack, self._outer
-        if outer is not None and not checks.replaying:
+        stack, quiet = self.stack, thread.replaying
+        if not quiet:
             if not stack:
-                outer(True)
-            checks.started(args)
-        elif not stack:
-            checks.model_started()
+                for outermost in self._outermost:
+                    outermost()
+            for started in self._started:
+                started(args)
         path = self.namer.name(module, stack[-1] if stack else None)
         stack.append(path)
-        if self._on_enter is not None:
-            self._on_enter(path, module)
-        if outer is not None and not checks.replaying:
-            self._moved()
+        if not quiet:
+            for entered in self._entered:
+                entered(path, module)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == self._checks.thread_id:
+        if threading.get_ident() == self.thread.thread_id:
             path = self.stack[-1] if self.stack else None
             super()._post(module, args, output)
-            if self._outer is not None and not self._checks.replaying:
-                self._moved()
-                if not self.stack:
-                    if self._ended is not None:
-                        self._ended(module, output, path)
-                    self._outer(False)
-                    self._checks.forward_over()
+            if not self.thread.replaying:
+                outermost = not self.stack
+                for returned in self._returned:
+                    returned(module, output, path, outermost)
 
 
 _untraced_call: Optional[Callable[..., Any]] = None

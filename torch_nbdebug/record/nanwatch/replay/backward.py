@@ -18,7 +18,7 @@ unwatched is then checked:
 - **A model's call** (its forward ran without the per-op mode): checked at module granularity and
   replayed, forward and backward, under the per-op watch when a gradient inside went non-finite
   (:mod:`replay.calls`). A non-finite gradient that a masking node inside zeroes (``relu``,
-  ``clamp``, ``where``, ``masked_fill``...: ``_ABSORBS``) leaves every gradient the module checks see
+  ``clamp``, ``where``, ``masked_fill``...: ``ABSORBS``) leaves every gradient the module checks see
   finite; a pre hook on each such node of the calls the backward reaches (found by the same walk, removed
   when it ends) marks the call for its replay.
 
@@ -47,7 +47,9 @@ from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.context import ReplayHost
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.log import EventLog
-from torch_nbdebug.record.nanwatch.replay.calls import OWN_TENSOR_HOOKS, CallChecks, may_hold_birth
+from torch_nbdebug.record.nanwatch.replay.calls import CallChecks, may_hold_birth
+from torch_nbdebug.record.nanwatch.replay.nodes import (KINDS, MOVES_ONLY, OWN_HOOKS, Absorber, Accumulation, NodeRerun,
+                                                        WatchedHook, absorbs)
 from torch_nbdebug.record.nanwatch.replay.forward import at_place
 
 __all__ = ["BackwardGate", "BackwardWatch", "may_hold_birth"]
@@ -59,46 +61,6 @@ UNNAMED = ("{module}: its backward was watched op by op, but its forward cannot 
 _WRAPPED_CAP = 4096  # tensor hooks remembered (to unwrap at the watch's end) before the dead are forgotten
 _BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
                         torch.Tensor.register_hook})
-# Nodes whose backward only moves or reshapes the gradient: they cannot make a value non-finite.
-_MOVES_ONLY = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
-                         "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "SqueezeBackward0",
-                         "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "CloneBackward0",
-                         "AliasBackward0", "DetachBackward0"})
-# Nodes whose backward selects or masks (zeroes where the forward dropped its input): a non-finite gradient
-# made inside a model can end there, every gradient the module checks see then finite (``torch.sqrt(
-# torch.relu(h))``: SqrtBackward0's Inf where relu gave 0, zeroed by ReluBackward0). Inside the model calls
-# a pre hook on them marks the call for its replay when a non-finite gradient reaches one.
-_ABSORBS = frozenset({"ReluBackward0", "ThresholdBackward0", "ThresholdBackward1", "WhereBackward0",
-                      "MaskedFillBackward0", "MaskedFillBackward1", "ClampBackward0", "ClampBackward1",
-                      "ClampMinBackward0", "ClampMinBackward1", "ClampMaxBackward0", "ClampMaxBackward1",
-                      "HardtanhBackward0", "NanToNumBackward0", "HardsigmoidBackward0", "HardswishBackward0",
-                      "HardshrinkBackward0", "SoftshrinkBackward0", "MaximumBackward0", "MinimumBackward0",
-                      "FmaxBackward0", "FminBackward0", "SignBackward0", "FloorBackward0", "RoundBackward0",
-                      "RoundBackward1", "CeilBackward0", "TruncBackward0", "FracBackward0", "IndexPutBackward0",
-                      "torch::autograd::CopySlices", "MaskedScatterBackward0", "IndexFillBackward0",
-                      "IndexFillBackward1", "ScatterBackward0", "ScatterBackward1", "IndexCopyBackward0",
-                      "FillBackward0", "FillBackward1", "ZeroBackward0", "EmbeddingBackward0",
-                      "SliceScatterBackward0", "SelectScatterBackward0", "DiagonalScatterBackward0",
-                      "AsStridedScatterBackward0"})
-
-_EMBEDDING = 2  # an EmbeddingBackward0 node: it masks only with a padding_idx
-# torch's node classes (one per kind of node) -> 0, 1 (masks) or _EMBEDDING: ``name()`` read once per class
-_KINDS: dict[type, int] = {}
-
-
-def _absorbs(node: Any) -> bool:
-    """Whether ``node`` masks its gradient (``_ABSORBS``). The walk reads ``_KINDS`` first: every node
-    of a built-in class (one class per kind, named as the node) is judged by its class."""
-    kind = _KINDS.get(type(node))
-    if kind is None:
-        name = node.name()
-        kind = _EMBEDDING if name == "EmbeddingBackward0" else int(name in _ABSORBS)
-        cls = type(node)
-        if cls.__module__ == "builtins" and name.rpartition("::")[2] == cls.__name__:
-            _KINDS[cls] = kind
-    return kind == 1 or (kind == _EMBEDDING and compat.embedding_pads(node))
-
-
 class BackwardGate(TorchFunctionMode):
     """Passes every torch function through; hands the backward entry points to ``run``."""
 
@@ -113,99 +75,10 @@ class BackwardGate(TorchFunctionMode):
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
-class _NodeRerun:
-    """Post hook on an autograd node outside the model calls, for one backward (see ``_plan``)."""
-
-    __slots__ = ("watch",)
-
-    def __init__(self, watch: "BackwardWatch") -> None:
-        self.watch = watch
-
-    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        try:
-            self.watch.node_finished(grad_inputs, grad_outputs)
-        except NanBirthError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.watch.host.internal_error("a backward node's gradients", exc)
-
-
-class _Accumulation:
-    """Pre and post hook on a leaf's ``AccumulateGrad`` outside the model calls: ``.grad += grad`` that
-    overflows (no ``zero_grad``) is run again, on a copy of the old ``.grad``, under the per-op watch."""
-
-    __slots__ = ("watch", "node", "before")
-
-    def __init__(self, watch: "BackwardWatch", node: Any) -> None:
-        self.watch, self.node = watch, node
-        self.before: Optional[torch.Tensor] = None
-
-    def pre(self, grad_outputs: Any) -> None:
-        try:
-            old = getattr(self.node.variable, "grad", None)
-            self.before = None
-            if isinstance(old, torch.Tensor) and old.layout == torch.strided and ops.finite(old) \
-                    and all(ops.finite(g) for g in grad_outputs):
-                with torch.no_grad():
-                    self.before = old.clone()
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.watch.host.internal_error("a gradient accumulation", exc)
-
-    def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        before, self.before = self.before, None
-        try:
-            if before is not None and not ops.finite(getattr(self.node.variable, "grad", None)):
-                self.watch.rerun(lambda: before.add_(grad_outputs[0]), [])
-        except NanBirthError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.watch.host.internal_error("a gradient accumulation", exc)
-
-
-class _Absorber:
-    """Pre hook on a masking node inside a model call (``_ABSORBS``), for one backward: a non-finite
-    gradient reaching it marks the call for its replay (the node may zero it: nothing after sees it)."""
-
-    __slots__ = ("watch", "region")
-
-    def __init__(self, watch: "BackwardWatch", region: Any) -> None:
-        self.watch, self.region = watch, region
-
-    def __call__(self, grad_outputs: Any) -> None:
-        region = self.region
-        if region.absorbed or not self.watch.unwatched:
-            return
-        try:
-            if not all(ops.finite(g) for g in grad_outputs):
-                region.absorbed = region.active = True
-        except Exception as exc:  # noqa: BLE001 - a debugging aid must not change the program
-            self.watch.host.internal_error("a gradient inside a model", exc)
-
-
-class _WatchedHook:
-    """A tensor hook the user registered during the watch, outside a model: while a backward runs
-    without the per-op mode, the hook runs under it (its ops are the user's backward code, watched
-    as by the always-on watch). After the watch it only calls the hook."""
-
-    __slots__ = ("hook", "watch", "__weakref__")
-
-    def __init__(self, hook: Callable[..., Any], watch: "BackwardWatch") -> None:
-        self.hook, self.watch = hook, weakref.ref(watch)
-
-    def __call__(self, *args: Any) -> Any:
-        watch = self.watch()
-        if watch is None or not watch.unwatched:
-            return self.hook(*args)
-        return watch.watched_hook(self.hook, args)
-
-
-OWN_HOOKS = (_WatchedHook, *OWN_TENSOR_HOOKS)  # tensor hooks of ours: they keep a backward unwatched
-
-
 class BackwardWatch:
-    """The backward layer of ``replay=True``. ``host`` is the recorder; it uses its ``log``, ``clock``,
-    ``modules``, ``immediate``, ``produced``, ``keep_handle``, ``internal_error``, ``quiet``,
-    ``mode_on_top``/``mode_on_stack`` and ``push_mode``/``pop_mode`` (and :class:`CallChecks` more)."""
+    """The backward layer of ``replay=True``. ``host`` is the recorder, seen as a :class:`ReplayHost`: its
+    ``log``, ``clock``, ``thread``, ``immediate``, ``produced``, ``keep_handle``, ``internal_error``, ``quiet``
+    and ``switch`` (the per-op mode), and :class:`CallChecks` more."""
 
     def __init__(self, host: ReplayHost, note: Callable[[str], None]) -> None:
         self.host, self._note = host, note
@@ -213,7 +86,7 @@ class BackwardWatch:
         self.unwatched = False  # a backward runs without the per-op mode
         self._node_handles: list[Any] = []  # this backward's node hooks (removed when it ends)
         self._absorbers: list[tuple[Any, Any]] = []  # (masking node in a model call, its region): from _plan
-        self._wrapped: list[tuple[Any, int, _WatchedHook]] = []  # (tensor weakref, handle id, wrapper)
+        self._wrapped: list[tuple[Any, int, WatchedHook]] = []  # (tensor weakref, handle id, wrapper)
         self.calls = CallChecks(host, note, lambda: self.unwatched)
 
     # -- the gate ------------------------------------------------------------------------------
@@ -223,7 +96,7 @@ class BackwardWatch:
         host = self.host
         if func is torch.Tensor.register_hook:
             return self._register_hook(func, args, kwargs)
-        if threading.get_ident() != host.modules.thread_id or host.modules.replaying or not host.mode_on_top() \
+        if threading.get_ident() != host.thread.thread_id or host.thread.replaying or not host.switch.on_top() \
                 or self.unwatched:
             return func(*args, **kwargs)
         nodes, reached, why = self._plan(func, args, kwargs)
@@ -235,14 +108,12 @@ class BackwardWatch:
             # The implicit gradient (``ones_like`` of a scalar) is a forward op to the always-on watch:
             # after a backward it starts the next iteration (a second backward on a retained graph).
             host.clock.forward()
-        if not host.clock.saw_backward:
-            host.modules.backward_started()
-        host.clock.saw_backward = True
+        host.clock.saw_backward = True  # (replay has no deferred checks: none waits for the backward's start)
         popped = False
         try:
             try:
                 self._hook(nodes)
-                host.pop_mode()
+                host.switch.pop()
                 popped = self.unwatched = True
                 self.calls.grads_before(reached)  # (its ops are ours: the mode is off)
                 result = func(*args, **kwargs)
@@ -289,7 +160,7 @@ class BackwardWatch:
     def _ended(self, popped: bool) -> None:
         self.unwatched = False
         if popped:
-            self.host.push_mode()
+            self.host.switch.push()
         handles, self._node_handles = self._node_handles, []
         for handle in handles:
             handle.remove()
@@ -298,9 +169,9 @@ class BackwardWatch:
         """``Tensor.register_hook`` outside a model: the hook runs watched in an unwatched backward. The
         tensor and the handle are remembered: the user's function goes back in place when the watch ends."""
         if not (len(args) == 2 and callable(args[1]) and not kwargs and isinstance(args[0], torch.Tensor)
-                and threading.get_ident() == self.host.modules.thread_id):
+                and threading.get_ident() == self.host.thread.thread_id):
             return func(*args, **kwargs)
-        wrapper = _WatchedHook(args[1], self)
+        wrapper = WatchedHook(args[1], self)
         handle = func(args[0], wrapper)
         if len(self._wrapped) >= _WRAPPED_CAP:  # a hook per step in a long loop: forget the dead tensors
             self._wrapped = [w for w in self._wrapped if w[0]() is not None]
@@ -316,11 +187,11 @@ class BackwardWatch:
                 compat.replace_tensor_hook(tensor, handle_id, wrapper, wrapper.hook)
 
     def watched_hook(self, hook: Callable[..., Any], args: tuple) -> Any:
-        self.host.push_mode()
+        self.host.switch.push()
         try:
             return hook(*args)
         finally:
-            self.host.pop_mode()
+            self.host.switch.pop()
 
     def _check(self, results: Any) -> None:
         try:
@@ -373,12 +244,12 @@ class BackwardWatch:
     @staticmethod
     def _walk_call(fn: Any, lo: int, hi: int, region: Any, seen: dict[int, Any], absorbers: list[Any]) -> None:
         """The nodes of a model call (sequence numbers in ``[lo, hi)``) from ``fn``: its masking nodes
-        (``_ABSORBS``) with their region, for a pre hook each."""
-        sequence_nr, stack, kinds = compat.node_sequence_nr, [fn], _KINDS
+        (``ABSORBS``) with their region, for a pre hook each."""
+        sequence_nr, stack, kinds = compat.node_sequence_nr, [fn], KINDS
         while stack:
             node = stack.pop()
             kind = kinds.get(type(node))  # (most nodes: a known class that does not mask, no call)
-            if (kind is None or kind) and _absorbs(node):
+            if (kind is None or kind) and absorbs(node):
                 absorbers.append((node, region))
             for f, _ in node.next_functions:
                 if f is not None and id(f) not in seen and lo <= sequence_nr(f) < hi:
@@ -397,20 +268,20 @@ class BackwardWatch:
         handles = self._node_handles
         absorbers, self._absorbers = self._absorbers, []
         for fn, region in absorbers:
-            handles.append(fn.register_prehook(_Absorber(self, region)))
+            handles.append(fn.register_prehook(Absorber(self, region)))
         for fn in nodes:
             if compat.node_sequence_nr(fn) != compat.NO_SEQUENCE:
-                if fn.name() not in _MOVES_ONLY:
-                    handles.append(fn.register_hook(_NodeRerun(self)))
+                if fn.name() not in MOVES_ONLY:
+                    handles.append(fn.register_hook(NodeRerun(self)))
             elif hasattr(fn, "variable"):  # AccumulateGrad of a leaf used outside the models
-                acc = _Accumulation(self, fn)
+                acc = Accumulation(self, fn)
                 handles += [fn.register_prehook(acc.pre), fn.register_hook(acc.post)]
 
     def node_finished(self, grad_inputs: Any, grad_outputs: Any) -> None:
         """A node ran unwatched: when the always-on watch could call what it made a birth or input data,
         run it again under the per-op watch (its backward ops are judged exactly as that watch judges)."""
         host = self.host
-        if self.rerun_node is not None or not self.unwatched or host.mode_on_stack():
+        if self.rerun_node is not None or not self.unwatched or host.switch.on_stack():
             return  # our own rerun, a replay, or a backward the per-op mode watches anyway
         with torch.no_grad():
             made = [g for g in grad_inputs if isinstance(g, torch.Tensor) and ops.checkable(g)]
@@ -433,17 +304,17 @@ class BackwardWatch:
         """``run`` again, under the per-op watch, from the running node's own hook: the births it holds
         are kept when a non-finite gradient left the node (``bad``)."""
         host = self.host
-        if self.rerun_node is not None or host.mode_on_stack():
+        if self.rerun_node is not None or host.switch.on_stack():
             return
         self.rerun_node = True
         rng = torch.get_rng_state()  # the user's random stream goes on as if nothing ran again
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         with host.log.rerunning(bad):  # a hook added to the running node would not run: held births decided here
-            host.push_mode()
+            host.switch.push()
             try:
                 made = run()
             finally:
-                host.pop_mode()
+                host.switch.pop()
                 self.rerun_node = None
                 torch.set_rng_state(rng)
                 if cuda_rng is not None:

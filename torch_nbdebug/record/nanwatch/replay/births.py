@@ -16,7 +16,7 @@ from torch_nbdebug.record.nanwatch.replay.forward import relocated, replay_call,
 
 def name_backward_births(host: ReplayHost) -> None:
     """Give the backward births of the model calls run since the last check their forward op and line."""
-    calls = host.modules.model_calls
+    calls = host.model_calls
     try:
         log = host.log
         events = log.events

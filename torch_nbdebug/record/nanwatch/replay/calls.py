@@ -2,7 +2,7 @@
 
 A model call whose forward ran without the per-op mode is a :class:`Region` until the backward after it
 is checked: the gradients into its float outputs are kept (tensor hooks) until the backward ends; a
-non-finite gradient into one of its module outputs (``ModuleChecks.on_grad``), into its arguments, or
+non-finite gradient into one of its module outputs (``ModuleTable.on_grad``), into its arguments, or
 in the ``.grad`` of its parameters (one ``_foreach_norm``, one read) marks it; when the gradients into
 its outputs allow a birth inside (:func:`may_hold_birth`), its forward *and* backward are replayed
 under the per-op watch (same arguments, weights and RNG; no ``.grad`` of the user's changes), in an
@@ -51,7 +51,7 @@ class Region:
         self.active = False  # a gradient reached the call in the running backward
         self.args_bad = self.args_nan = False
         self.inner: Optional[tuple[str, TensorStats]] = None  # the first non-finite module gradient
-        self.absorbed = False  # a non-finite gradient reached a masking node inside (``replay.backward._Absorber``)
+        self.absorbed = False  # a non-finite gradient reached a masking node inside (``replay.nodes.Absorber``)
         self.checked = False  # a backward through it was checked
         self.saved_hooks = compat.saved_tensors_hooks_active()  # a replay would run their pack/unpack again
 
@@ -104,9 +104,9 @@ OWN_TENSOR_HOOKS = (_LeafGrad, _ArgGrad)  # (not the user's: they keep a backwar
 
 class CallChecks:
     """The model calls of the running training step and the check of their backward. ``host`` is the
-    recorder (its ``log``, ``clock``, ``modules``, ``produced``, ``keep_handle``, ``internal_error``,
-    ``own_hook_ids``, ``quiet``, ``isolated`` and ``watched``); ``unwatched()`` says whether a backward runs
-    without the per-op mode now (only then are gradients kept)."""
+    recorder, seen as a ``ReplayHost`` (its ``log``, ``clock``, ``model_calls``, ``verdicts``, ``produced``,
+    ``keep_handle``, ``internal_error``, ``own_hook_ids``, ``quiet``, ``isolated`` and ``watched``);
+    ``unwatched()`` says whether a backward runs without the per-op mode now (only then are gradients kept)."""
 
     def __init__(self, host: ReplayHost, note: Callable[[str], None], unwatched: Callable[[], bool]) -> None:
         self.host, self._note, self._unwatched = host, note, unwatched
@@ -132,7 +132,7 @@ class CallChecks:
 
     def model_called(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
         """The outermost call ``module`` ran without the per-op watch and returned ``output``."""
-        calls = self.host.modules.model_calls.calls
+        calls = self.host.model_calls.calls
         if not calls or calls[-1][0] is not module or path is None:
             return
         _, call, end, where = calls[-1]
@@ -157,7 +157,7 @@ class CallChecks:
                 host.keep_handle(t.register_hook(_ArgGrad(region, self)))
 
     def gradient_bad(self, path: str, grad: torch.Tensor) -> None:
-        """A module output's gradient is non-finite (``ModuleChecks.on_grad``): mark its model call."""
+        """A module output's gradient is non-finite (``ModuleTable.on_grad``): mark its model call."""
         if not self.unwatched:
             return
         node = compat.current_autograd_node()  # (in a tensor hook: the node that made the output's gradient)
@@ -371,4 +371,4 @@ class CallChecks:
             if found is None:
                 return
             path, stats = f"{region.path}.{found[0]}", stats_of([found[1]], 1)[0]
-        self.host.modules.gradient_birth(path, stats, self.host.clock.iteration)
+        self.host.verdicts.gradient_birth(path, stats, self.host.clock.iteration)

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, ContextManager, Iterator, Optional
+from typing import Any, Callable, Collection, ContextManager, Iterator, Optional, Protocol
 
 import torch
 
@@ -28,6 +28,8 @@ from torch_nbdebug.data.nanwatch import NanEvent
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import here
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
+from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.nanwatch.replay.restore import (autocast_as, grad_mode, restored_attributes, restored_buffers,
                                                           restored_rng, rng_state)
@@ -78,20 +80,13 @@ class Call:
             return None
 
 
-class _Ref:
-    __slots__ = ("ref",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.ref = weakref.ref(t)
-
-
 class _Freed(Exception):
     pass
 
 
 def _weak(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _Ref(value)
+        return LiveRef(value)
     if type(value) in (list, tuple):
         return type(value)(_weak(v) for v in value)
     if type(value) is dict:
@@ -100,8 +95,8 @@ def _weak(value: Any) -> Any:
 
 
 def _strong(value: Any) -> Any:
-    if isinstance(value, _Ref):
-        t = value.ref()
+    if isinstance(value, LiveRef):
+        t = value.alive()
         if t is None:
             raise _Freed
         return t
@@ -163,7 +158,7 @@ _PLAIN_LEAVES = (torch.Tensor, int, float, complex, str, bool, type(None))
 def plain_arguments(value: Any, depth: int = 0) -> bool:
     """Tensors, numbers, strings, None and lists/tuples/dicts of them: a replay cannot change anything
     through them (a KV-cache object that ``forward`` updates would be updated twice)."""
-    if isinstance(value, (_PLAIN_LEAVES, _Ref)):
+    if isinstance(value, (_PLAIN_LEAVES, LiveRef)):
         return True
     if depth < 6 and type(value) in (list, tuple):
         return all(plain_arguments(v, depth + 1) for v in value)
@@ -189,13 +184,20 @@ def why_not_replayable(call: Call, module: torch.nn.Module, own_hooks: Collectio
 NOT_REPLAYED = ("{module}: replay not possible ({why}); reported at module level")
 
 
+class HasLog(Protocol):
+    """What a replayer reads of the recorder: its event log (a replay's isolated one while it runs)."""
+
+    @property
+    def log(self) -> EventLog: ...
+
+
 class Replayer:
     """Turns a non-finite kept module output into the per-op event of its first bad op.
 
     ``watched`` is the recorder's context that puts the per-op watch on for a replay (and keeps the
     module layer out of it); ``fallback(entry)`` reports the call at module level."""
 
-    def __init__(self, ctx: Any, watched: Callable[[int], ContextManager[None]], fallback: Callable[[Any, int], None],
+    def __init__(self, ctx: HasLog, watched: Callable[[int], ContextManager[None]], fallback: Callable[[Any, int], None],
                  own_hooks: Callable[[], Collection[int]] = tuple) -> None:
         self.ctx, self._watched, self._fallback, self._own_hooks = ctx, watched, fallback, own_hooks
         self.notes: list[str] = []

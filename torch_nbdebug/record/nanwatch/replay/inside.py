@@ -10,7 +10,7 @@ replay only, when it was made without autograd and shares no storage with the mo
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -18,29 +18,23 @@ from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.tensors import storage_key
 
-from torch_nbdebug.record.nanwatch.context import WatchContext
-from torch_nbdebug.record.nanwatch.core.events import Place
+from torch_nbdebug.record.nanwatch.context import ModuleReports, WatchContext
 from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, nonfinite_reading
 from torch_nbdebug.record.nanwatch.replay.kept import Kept, KeptReadings
 
 
 class KeptOwner(Protocol):
-    """What a check of the kept outputs touches of the module checks (``ModuleChecks``): the kept outputs,
+    """What a check of the kept outputs touches of replay's module layer (``KeptOutputs``): the kept outputs,
     the per-layer table, and the module-level report when no replay names the op."""
 
     ctx: WatchContext
     layers: LayerRecorder
-    kept: Optional[KeptReadings]
-
-    def module_fallback(self, entry: Kept, first: int = 0) -> None: ...
-
-    def module_birth(self, path: str, module: torch.nn.Module, args: Any, t: torch.Tensor,
-                     place: Optional[Place] = None, iteration: Optional[int] = None, first: int = 0) -> bool: ...
-
+    kept: KeptReadings
+    verdicts: ModuleReports
 
 
 class KeptCheck:
-    """One check of the kept outputs (``ModuleChecks.check_kept``): ``outer`` is the model's call when it
+    """One check of the kept outputs (``KeptOutputs.check_kept``): ``outer`` is the model's call when it
     returned (None: an early check while it runs), ``model_seq`` its first autograd node number."""
 
     def __init__(self, checks: KeptOwner, replayer: Replayer, outer: Optional[Kept],
@@ -59,7 +53,6 @@ class KeptCheck:
         arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
             else None
         strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
-        assert checks.kept is not None
         for entry in checks.kept.take():
             for path in entry.paths if entry.table else ():
                 checks.layers.take_forward(path, entry.values)
@@ -96,7 +89,7 @@ class KeptCheck:
         for entry in freed:
             path = entry.paths[0]
             if not any(e.module and (e.module == path or e.module.startswith(path + ".")) for e in log.since(first)):
-                checks.module_fallback(entry, first)
+                checks.verdicts.module_fallback(entry, first)
 
     def _overflowed_inside(self, entry: Kept) -> bool:
         """A finite half-precision output whose call's inputs reach the square root of the dtype's largest
@@ -166,7 +159,7 @@ class KeptCheck:
         except (AttributeError, TypeError):  # named from another root (a shared submodule): no module here
             return False
         place = entry.place._replace(module=parent) if entry.place is not None else None
-        self.checks.module_birth(parent, module, (), t, place, entry.iteration, first)
+        self.checks.verdicts.module_birth(parent, module, (), t, place, entry.iteration, first)
         if not self.checks.ctx.log.since(first):
             return False
         self.replayer.note(f"{parent}: its own code made the NaN/Inf that {child} received, and neither it nor "

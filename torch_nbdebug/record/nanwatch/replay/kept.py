@@ -31,7 +31,8 @@ import torch
 from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import Place, here
 from torch_nbdebug.record.nanwatch.core.layers import stat_parts
-from torch_nbdebug.record.nanwatch.core.ops import read_together, version_of
+from torch_nbdebug.record.nanwatch.core.live import LiveRef
+from torch_nbdebug.record.nanwatch.core.ops import read_together
 from torch_nbdebug.record.nanwatch.replay.forward import Call, Start, capture
 
 _MAX_ENTRIES = 4096  # checked early when this many entries wait (a forward with very many module calls)
@@ -51,8 +52,9 @@ class Kept:
     place: Optional[Place] = None
     values: list[float] = field(default_factory=list)
     call: Any = None  # the call's arguments and RNG state (replay.forward.Call)
-    version: int = -1  # the output's ``_version`` when the module returned
-    ref: Any = None  # a weak output: weakref.ref of it (``tensor`` is None)
+    # the output held weakly with its ``_version`` when the module returned; a weak output is held only so
+    # (``tensor`` is None)
+    live: Optional[LiveRef] = None
     parts: tuple[torch.Tensor, ...] = ()  # min, max and sum of the output (0-d), computed as it was kept
     input_refs: Optional[tuple[Any, ...]] = None  # a weak output's float inputs, by weakref
     # shape, dtype, device, numel of the output, as torch objects (named as text only for an event)
@@ -64,7 +66,7 @@ class Kept:
 
     def value(self) -> Optional[torch.Tensor]:
         """The output, or None when it was weakly kept and has been freed since."""
-        return self.tensor if self.ref is None else self.ref()
+        return self.tensor if self.tensor is not None or self.live is None else self.live.alive()
 
     def live_inputs(self) -> Optional[tuple[torch.Tensor, ...]]:
         """The float inputs, or None when one was weakly kept and has been freed."""
@@ -76,8 +78,7 @@ class Kept:
     def written_since(self) -> bool:
         """Written in place after the module returned (``h = self.fc(x); h.log_()`` in the parent): its
         numbers now are the parent's doing, not this module's."""
-        t = self.tensor if self.ref is None else self.ref()
-        return t is not None and version_of(t) != self.version
+        return self.live is not None and self.live.changed()
 
 
 class KeptReadings:
@@ -96,10 +97,10 @@ class KeptReadings:
         output), else its statistics are computed now and read by :meth:`take`."""
         meta, parts = (t.shape, t.dtype, t.device, t.numel()), () if values is not None else stat_parts(t)
         if weak:
-            entry = Kept(None, [path], iteration, module, (), place, version=version_of(t), ref=weakref.ref(t),
-                         parts=parts, input_refs=tuple(weakref.ref(x) for x in inputs), meta=meta, table=table)
+            entry = Kept(None, [path], iteration, module, (), place, live=LiveRef(t), parts=parts,
+                         input_refs=tuple(weakref.ref(x) for x in inputs), meta=meta, table=table)
         else:
-            entry = Kept(t, [path], iteration, module, inputs, place, version=version_of(t), meta=meta, table=table,
+            entry = Kept(t, [path], iteration, module, inputs, place, live=LiveRef(t), meta=meta, table=table,
                          parts=parts)
         if values is not None:
             entry.values = values
@@ -110,8 +111,7 @@ class KeptReadings:
              weak: bool) -> Kept:
         """Keep a finite output already read (a CPU output): only what the table needs when the forward
         returns (its paths, and its version, to drop it if it is written in place before then)."""
-        entry = Kept(None if weak else t, [path], iteration, module, values=values, version=version_of(t),
-                     ref=weakref.ref(t) if weak else None)
+        entry = Kept(None if weak else t, [path], iteration, module, values=values, live=LiveRef(t))
         self.entries.append(entry)
         return entry
 
