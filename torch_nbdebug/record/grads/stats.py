@@ -7,7 +7,8 @@ them back copied, so a caller can join those copies with its own (the recorder c
 steps and this in one transfer). Two host synchronisations in all for finite gradients (the
 per-parameter reductions, then the histograms that need their ranges), one more when some gradient
 holds a NaN or an Inf, and one more when a finite gradient's float32 sums overflow (gradients of 1e20:
-those few are summed again in float64, see :func:`fix_overflow`). The per-step path is :mod:`torch_nbdebug.record.grads.steps`.
+those few are summed again in float64, see :func:`fix_overflow`). The per-step path is
+:mod:`torch_nbdebug.record.grads.steps`.
 """
 from __future__ import annotations
 
@@ -102,10 +103,12 @@ def fix_overflow(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.n
     found: list[tuple[list[dict[str, Any]], np.ndarray, int, int]] = []
     for group, a in zip(groups, arrays):
         raw = a["raw"]
-        with np.errstate(invalid="ignore"):
-            finite = (np.isfinite(raw[:, :, COL["min"]]) & np.isfinite(raw[:, :, COL["max"]]) &
-                      (raw[:, :, COL["nan"]] == 0) & (raw[:, :, COL["inf"]] == 0))
-        found += [(group, raw, int(s), int(j)) for s, j in np.argwhere(finite & ~np.isfinite(raw[:, :, _SUMS]).all(2))]
+        odd = ~np.isfinite(raw[:, :, _SUMS]).all(2)
+        if not odd.any():  # the common case: one test
+            continue
+        finite = (np.isfinite(raw[:, :, COL["min"]]) & np.isfinite(raw[:, :, COL["max"]]) &
+                  (raw[:, :, COL["nan"]] == 0) & (raw[:, :, COL["inf"]] == 0))
+        found += [(group, raw, int(s), int(j)) for s, j in np.argwhere(finite & odd)]
     if not found:
         return set()
     with no_grad_held():
@@ -318,8 +321,8 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
     numel = np.array([g.numel() for g in grads], float)
     # min and max are NaN or infinite when some element is: a finite gradient whose float32 sums did not
     # come back finite overflowed them (see fix_overflow); those few are summed again in float64
-    with np.errstate(invalid="ignore"):
-        over = np.flatnonzero(np.isfinite(lo) & np.isfinite(hi) & ~np.isfinite(np.stack([norms, total, l1])).all(0))
+    sums = np.isfinite(norms) & np.isfinite(total) & np.isfinite(l1)
+    over = np.flatnonzero(~sums & np.isfinite(lo) & np.isfinite(hi))
     if len(over):
         norms, total, l1 = norms.copy(), total.copy(), l1.copy()
         (wide,) = yield [torch.stack([torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64),
@@ -355,7 +358,8 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
     return cols, counts, rng
 
 
-def _wide_norms(tensors: list[torch.Tensor], norms: np.ndarray) -> Generator[list[torch.Tensor], list[np.ndarray], np.ndarray]:
+def _wide_norms(tensors: list[torch.Tensor], norms: np.ndarray
+                ) -> Generator[list[torch.Tensor], list[np.ndarray], np.ndarray]:
     """``norms`` (float32 norms of ``tensors``) with those that came back Inf or NaN taken again in
     float64: right for a finite tensor whose squares overflowed float32 (one more copy, only then)."""
     odd = np.flatnonzero(~np.isfinite(norms))
