@@ -118,7 +118,7 @@ def _loud_params(trace: GradTrace, step: int, limits: Thresholds) -> np.ndarray:
     norm, dead = s[:, FIELD["norm"]], s[:, FIELD["dead_units"]]
     with np.errstate(invalid="ignore"):
         return ((s[:, FIELD["has_grad"]] == 0) | (s[:, FIELD["nan"]] > 0) | (s[:, FIELD["inf"]] > 0) |
-                ~np.isfinite(norm) | (norm == 0) | ((units > 0) & (dead >= limits.dead_units * units)))
+                ~(norm <= _FLOAT32_MAX) | (norm == 0) | ((units > 0) & (dead >= limits.dead_units * units)))
 
 
 def _loud_layers(trace: GradTrace, loud: np.ndarray, table: dict[str, np.ndarray], median_rms: float,
@@ -152,7 +152,7 @@ def _layer_findings(trace: GradTrace, step: int, li: int, table: dict[str, np.nd
         if found and all(kind != found[0] for kind, _, _ in out):
             out.append((*found, p))
     norm, rms = table["norm"][li], table["rms"][li]
-    if np.isfinite(norm) and not any(k in ("non-finite", "dead") for k, _, _ in out):
+    if np.isfinite(norm) and not any(k in ("non-finite", "exploding", "dead") for k, _, _ in out):
         out += _size_findings(norm, rms, median_rms, history[li] if history is not None else None, limits)
     act = _activation_finding(trace, step, li, limits)
     if act and all(kind != "dead" for kind, _, _ in out):
@@ -172,11 +172,15 @@ def _param_finding(trace: GradTrace, step: int, p: int, limits: Thresholds) -> O
         if not info.requires_grad:
             return "frozen", f"{short} has requires_grad=False: it is frozen, the optimizer cannot change it"
         return "frozen", f"{short} got no gradient: it did not take part in the loss (or backward was not run)"
-    nan, inf = s[FIELD["nan"]], s[FIELD["inf"]]
-    if nan > 0 or inf > 0 or not np.isfinite(s[FIELD["norm"]]):
+    nan, inf, norm = s[FIELD["nan"]], s[FIELD["inf"]], s[FIELD["norm"]]
+    if nan > 0 or inf > 0 or np.isnan(norm):
         approx = "" if trace.exact[step, p] else "about "
         return "non-finite", (f"{short} gradient has {approx}{_count(nan)} NaN and {_count(inf)} Inf values "
                               f"out of {info.numel}")
+    if not norm <= _FLOAT32_MAX:  # every value finite (none counted), only the norm is out of range
+        size = "overflows float64" if np.isinf(norm) else f"{norm:.3g}, beyond float32's {_FLOAT32_MAX:.3g}"
+        return "exploding", (f"{short} gradient norm {size}: every value is finite, the largest |g| is "
+                             f"{s[FIELD['max_abs']]:.3g}")
     if s[FIELD["norm"]] == 0:
         return "dead", (f"all {info.numel} gradient values of {short} are zero (dead units, e.g. a ReLU that "
                         "never fires, or an output that does not reach the loss)")
@@ -186,6 +190,9 @@ def _param_finding(trace: GradTrace, step: int, p: int, limits: Thresholds) -> O
     if units and not sparse_rows and np.isfinite(dead) and dead >= limits.dead_units * units:
         return "dead", f"{int(dead)} of {units} units of {short} (rows) have an all-zero gradient (dead ReLU units?)"
     return None
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger gradient norm is a float64 alone can hold
 
 
 def _relative(median_rms: float) -> bool:

@@ -36,8 +36,8 @@ from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.grads.layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
 from torch_nbdebug.record.grads.stats import (
-    LastJob, Redo, activation_row, exact_rows, raw_to_stats, redo_dirty, run_job, sampled_exact_job, to_host, usable,
-    whole_columns,
+    LastJob, Redo, activation_row, exact_rows, fix_overflow, raw_to_stats, redo_dirty, run_job, sampled_exact_job,
+    to_host, usable, whole_columns,
 )
 from torch_nbdebug.record.grads.steps import (RAW, Chunks, Layout, Sampler, present_grads, reduce_rows, sampled_rows,
                                               update_squares)
@@ -81,6 +81,7 @@ class GradRecorder:
         self._before: Optional[torch.Tensor] = None
         self._chunks = Chunks(self._chunk_rows)  # where the steps' samples are written
         self._last: Optional[list[tuple[Any, int]]] = None
+        self._estimated: set[int] = set()  # steps whose overflowed norm or sum of a sampled gradient is estimated
         self.trace: Optional[GradTrace] = None
 
     # -- install / remove ---------------------------------------------------------------
@@ -175,6 +176,7 @@ class GradRecorder:
         if not self._opt_seen:  # from now on steps are optimizer steps: drop the backward-only rows
             reuse = self._pending[-1] if self._pending and self._last_still_there() else None
             self._opt_seen, self._pending, self._host, self._steps = True, [], [], 0
+            self._estimated = set()
             for handle in self._grad_handles:  # from now on backward passes are not steps: no call per parameter
                 handle.remove()
             if reuse is not None:  # the last backward's row already holds these very gradients
@@ -239,6 +241,7 @@ class GradRecorder:
         groups, arrays, host = self._reduce(extra, finite=not final)
         if not final:
             redo_dirty(groups, arrays, self.bins)
+        self._estimated |= fix_overflow(groups, arrays)
         self._keep(groups, arrays)
         return host
 
@@ -291,6 +294,7 @@ class GradRecorder:
                                    self._sampler.numel[whole])
         result, copies = run_job(job, first + [whole_cols], ride=redo.tensors)
         redo.put(copies)
+        self._estimated |= fix_overflow(groups, arrays)
         self._keep(groups, arrays)
         return result
 
@@ -347,7 +351,9 @@ class GradRecorder:
         skipped = [info.name for info, p in zip(self._infos, self._params) if p.grad is not None and not usable(p.grad)]
         if skipped:
             notes.append(f"sparse, complex or integer gradients not analysed: {', '.join(skipped[:5])}")
+        estimated = self._estimated
         if last is not None and done is not None:
+            estimated = estimated - {self._host[-1]["step"]}  # made exact below
             _, big, whole = last
             cols, counts, lo_hi, fixed, dead_whole = done
             new = np.argsort(perm)  # recorder's parameter index -> the trace's
@@ -361,6 +367,10 @@ class GradRecorder:
         if not exact.all():
             notes.append(f"histograms, mean |g|, zero/NaN/Inf counts and update ratios of parameters over "
                          f"{self.sample} elements are estimated from a fixed random sample of {self.sample}")
+        if estimated:
+            notes.append(f"the float32 sum of squares of a finite gradient overflowed at {len(estimated)} step(s) "
+                         f"(first: step {min(estimated)}): the norms and sums of parameters over {self.sample} "
+                         "elements there are estimated from their sample")
         if self._hist_every > 1:
             notes.append(f"histograms kept for every {self._hist_every}th step (at most {_MAX_HISTS})")
         acts = np.stack([h["act"][lperm] for h in self._host]) if self.activations and self._host else None

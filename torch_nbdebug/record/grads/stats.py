@@ -6,7 +6,9 @@ the last recorded step (the rest of that step is exact in its sample). Each runs
 them back copied, so a caller can join those copies with its own (the recorder copies its last
 steps and this in one transfer). Two host synchronisations in all for finite gradients (the
 per-parameter reductions, then the histograms that need their ranges), one more when some gradient
-holds a NaN or an Inf. The per-step path is :mod:`torch_nbdebug.record.grads.steps`.
+holds a NaN or an Inf, and one more when a finite gradient's float32 sums overflow (gradients of 1e20:
+those few are summed again in float64, see :func:`fix_overflow`). The per-step path is
+:mod:`torch_nbdebug.record.grads.steps`.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from torch import nn
 
 from torch_nbdebug.data.grads import FIELD, FIELDS
 from torch_nbdebug.record.grads.cpu import binned, unit_sums
-from torch_nbdebug.record.grads.steps import COL, RAW, float_norms, present_grads, reduce_rows
+from torch_nbdebug.record.grads.steps import COL, RAW, float_norms, present_grads, reduce_rows, stacked
 from torch_nbdebug.record.interrupts import no_grad_held
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LARGE = 1 << 20  # elements from which a gradient's non-zeros are counted by count_nonzero
 
 # A job yields the device tensors it wants on the host and is sent their host copies back.
@@ -84,6 +87,49 @@ class Redo:
                 hist_rows = [i for i, r in enumerate(g) if r.get("want_hist")]
                 for j, i in enumerate(i for i in rows if g[i].get("want_hist")):
                     a["hist"][hist_rows.index(i)], a["range"][hist_rows.index(i)] = new["hist"][j], new["range"][j]
+
+
+_SUMS = [COL["norm"], COL["sum"], COL["mean_abs"]]  # the raw columns a float32 sum may overflow
+
+
+def fix_overflow(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]]) -> set[int]:
+    """Take again in float64 the norm, sum and mean |g| that came back Inf or NaN from float32 sums
+    though every element was finite (finite min and max, no NaN or Inf counted): finite gradients
+    of 1e20 square to 1e40, past float32's 3.4e38, though their norm (1e21, say) is a float32. From
+    the kept samples, in the reductions' host copies ``arrays`` (one per group of rows, after
+    :class:`Redo`): one more host copy, only when there is such a number. A parameter taken whole
+    gets its exact numbers; a sampled one an estimate from its sample (its gradient is gone), its
+    norm kept within what its largest |g| allows. Returns the steps holding such an estimate."""
+    found: list[tuple[list[dict[str, Any]], np.ndarray, int, int]] = []
+    for group, a in zip(groups, arrays):
+        raw = a["raw"]
+        odd = ~np.isfinite(raw[:, :, _SUMS]).all(2)
+        if not odd.any():  # the common case: one test
+            continue
+        finite = (np.isfinite(raw[:, :, COL["min"]]) & np.isfinite(raw[:, :, COL["max"]]) &
+                  (raw[:, :, COL["nan"]] == 0) & (raw[:, :, COL["inf"]] == 0))
+        found += [(group, raw, int(s), int(j)) for s, j in np.argwhere(finite & odd)]
+    if not found:
+        return set()
+    with no_grad_held():
+        rows = {id(group): stacked(group) for group, _, _, _ in found}
+        samples = [group[0]["layout"].sample_of(rows[id(group)][s], j).double() for group, _, s, j in found]
+        (sums,) = to_host([torch.stack([torch.stack([x.square().sum(), x.sum(), x.abs().sum()]) for x in samples])])
+    estimated: set[int] = set()
+    for (group, raw, s, j), (squares, total, l1) in zip(found, sums):
+        layout, row = group[0]["layout"], raw[s, j]
+        k, numel = layout.lengths[j], layout.sizes[j]
+        row[COL["mean_abs"]] = l1 / k  # over the sample: what this column always is
+        wrong = [c for c in (COL["norm"], COL["sum"]) if not np.isfinite(row[c])]
+        top = max(-row[COL["min"]], row[COL["max"]])
+        # scaled from the sample to the whole tensor (by 1 when taken whole: exact)
+        fixed = {COL["norm"]: float(np.clip(np.sqrt(squares * numel / k), top, top * math.sqrt(numel))),
+                 COL["sum"]: total * numel / k}
+        for c in wrong:
+            row[c] = fixed[c]
+        if wrong and k < numel:
+            estimated.add(int(group[s]["step"]))
+    return estimated
 
 
 def run_job(job: Generator[list[torch.Tensor], list[np.ndarray], _Result], first: Optional[list[np.ndarray]] = None,
@@ -151,7 +197,7 @@ def exact_job(params: list[nn.Parameter], bins: int) -> ExactJob:
         wanted += _first_columns(grads)
     host = yield wanted
     if norms:
-        stats[:, FIELD["param_norm"]] = host.pop(0)
+        stats[:, FIELD["param_norm"]] = yield from _wide_norms([p.detach() for p in params], host.pop(0))
     if not present:
         return stats, hist, rng
     host[2] = _dead_units(grads, host[2])
@@ -234,8 +280,9 @@ def _first_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     # to the L1 norm. One vectorised pass, where a != 0 mask and any() took two and a temporary.
     units, live = _unit_columns(grads)  # a vector's own |g| add up to its L1 norm
     same = len({g.dtype for g in grads}) == 1  # one stack, one cast: not one cast per parameter
-    ends = [torch.stack([m.min for m in minmax]).float(), torch.stack([m.max for m in minmax]).float()] if same else \
-        [torch.stack([m.min.float() for m in minmax]), torch.stack([m.max.float() for m in minmax])]
+    # float64: a float64 gradient's range may lie beyond float32's
+    ends = [torch.stack([m.min for m in minmax]).double(), torch.stack([m.max for m in minmax]).double()] if same else \
+        [torch.stack([m.min.double() for m in minmax]), torch.stack([m.max.double() for m in minmax])]
     return [torch.stack(float_norms(grads)), _nonzeros(grads),
             live,  # units that are not dead, of the gradients with units
             # float32 sums are pairwise (accurate enough for a mean) and much faster than float64 ones on CPU.
@@ -272,9 +319,20 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
     histograms of the non-finite ones (whose ranges that copy gives) in one more, with those of the
     finite ones found to hold elements outside their range (rare, see :func:`cpu.binned`)."""
     numel = np.array([g.numel() for g in grads], float)
+    # min and max are NaN or infinite when some element is: a finite gradient whose float32 sums did not
+    # come back finite overflowed them (see fix_overflow); those few are summed again in float64
+    sums = np.isfinite(norms) & np.isfinite(total) & np.isfinite(l1)
+    over = np.flatnonzero(~sums & np.isfinite(lo) & np.isfinite(hi))
+    if len(over):
+        norms, total, l1 = norms.copy(), total.copy(), l1.copy()
+        (wide,) = yield [torch.stack([torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64),
+                                                   grads[i].sum(dtype=torch.float64),
+                                                   torch.linalg.vector_norm(grads[i], 1, dtype=torch.float64)])
+                                      for i in over])]
+        norms[over], total[over], l1[over] = wide.T
     cols = {k: np.full(len(grads), np.nan) for k in ("mean", "std", "min", "max", "max_abs", "mean_abs")}
     cols.update(norm=norms, zeros=numel - nonzero, dead_units=dead, nan=np.zeros(len(grads)), inf=np.zeros(len(grads)))
-    finite = np.isfinite(norms)
+    finite = np.isfinite(norms)  # every element is finite, and their sums too
     clean, dirty = np.flatnonzero(finite), np.flatnonzero(~finite)
     mean, var = _moments(norms[clean], total[clean], numel[clean])
     redo = [int(j) for j in np.flatnonzero(_nearly_constant(numel[clean], mean, var))]
@@ -300,6 +358,19 @@ def _exact_columns(grads: list[torch.Tensor], bins: int, norms: np.ndarray, nonz
     return cols, counts, rng
 
 
+def _wide_norms(tensors: list[torch.Tensor], norms: np.ndarray
+                ) -> Generator[list[torch.Tensor], list[np.ndarray], np.ndarray]:
+    """``norms`` (float32 norms of ``tensors``) with those that came back Inf or NaN taken again in
+    float64: right for a finite tensor whose squares overflowed float32 (one more copy, only then)."""
+    odd = np.flatnonzero(~np.isfinite(norms))
+    if not len(odd):
+        return norms
+    (wide,) = yield [torch.stack([torch.linalg.vector_norm(tensors[i], dtype=torch.float64) for i in odd])]
+    norms = norms.copy()
+    norms[odd] = wide
+    return norms
+
+
 def _moments(norms: np.ndarray, total: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean = total / np.maximum(n, 1)
     return mean, np.maximum(norms ** 2 - n * mean ** 2, 0) / np.maximum(n - 1, 1)
@@ -315,7 +386,7 @@ def _masked_columns(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """NaN/Inf counts and the statistics of the finite elements (NaN marks the others); the variance
     in float64 and two passes, as the nearly constant case needs; last, the non-zero elements (NaN and
     Inf included: the caller's count, from a sample reduced as finite, may have taken a NaN for a zero)."""
-    masked = [torch.where(torch.isfinite(g), g.float(), math.nan) for g in grads]
+    masked = [torch.where(torch.isfinite(g), _wide(g), math.nan) for g in grads]
     n = [(~torch.isnan(m)).sum() for m in masked]
     means = [torch.nansum(m.double()) / c.clamp(min=1) for m, c in zip(masked, n)]
     return [torch.stack([torch.isnan(g).sum() for g in grads]), torch.stack([torch.isinf(g).sum() for g in grads]),
@@ -348,10 +419,16 @@ def _histograms(grads: list[torch.Tensor], candidates: Any, lo: np.ndarray, hi: 
         rng[i] = _widen(float(lo[i]), float(hi[i]))
     if not rows:
         return rows, []
-    if within and all(grads[i].device.type == "cpu" for i in rows):
+    # cpu.binned counts in float32: not a float64 gradient's range beyond it
+    if within and all(grads[i].device.type == "cpu" for i in rows) and np.abs(rng[rows]).max() < _FLOAT32_MAX:
         return rows, [binned([grads[i] for i in rows], bins, rng[rows])]
     # histc skips NaN and values outside [a, b] (the infinities), and puts b in the last bin.
-    return rows, [torch.stack([torch.histc(grads[i].float().reshape(-1), bins, *rng[i]) for i in rows])]
+    return rows, [torch.stack([torch.histc(_wide(grads[i]).reshape(-1), bins, *rng[i]).float() for i in rows])]
+
+
+def _wide(grad: torch.Tensor) -> torch.Tensor:
+    """float32 values of a gradient, float64 ones for a float64 gradient (beyond float32's range maybe)."""
+    return grad if grad.dtype == torch.float64 else grad.float()
 
 
 def _widen(lo: float, hi: float) -> tuple[float, float]:
@@ -391,7 +468,8 @@ def _step_stats(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
     stats = np.full((*raw.shape[:2], len(FIELDS)), np.nan)
     r = {name: raw[:, :, i].astype(np.float64) for i, name in enumerate(RAW)}
     mean = r["sum"] / numel
-    var = np.maximum(r["norm"] ** 2 - numel * mean ** 2, 0) / np.maximum(numel - 1, 1)
+    with np.errstate(invalid="ignore"):  # inf - inf: an Inf gradient's std is NaN
+        var = np.maximum(r["norm"] ** 2 - numel * mean ** 2, 0) / np.maximum(numel - 1, 1)
     cols = {"norm": r["norm"], "mean": mean, "std": np.sqrt(var), "min": r["min"], "max": r["max"],
             "max_abs": np.maximum(-r["min"], r["max"]), "mean_abs": r["mean_abs"], "zeros": np.round(r["zeros"] * numel),
             "param_norm": r["param_norm"], "update_ratio": r["update_ratio"],

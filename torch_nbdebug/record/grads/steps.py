@@ -107,6 +107,7 @@ class Layout:
     def __init__(self, sampler: "Sampler", present: tuple[int, ...], device: torch.device) -> None:
         self.present, self.device, self.n = present, device, len(present)
         self.lengths = [int(sampler.count[i]) for i in present]
+        self.sizes = [float(sampler.numel[i]) for i in present]  # elements of each tensor, on the host
         self.big = [j for j, i in enumerate(present) if not sampler.exact[i]]
         self.same_device = all(sampler.devices[i] == device for i in present)
         widths: dict[int, list[int]] = {}
@@ -115,7 +116,7 @@ class Layout:
         self.order = [j for _, positions in sorted(widths.items(), reverse=True) for j in positions]  # gather order
         n = self.n
         # Two host-to-device copies in all (each one waits for the device on a GPU), sliced on the device.
-        floats = torch.tensor(self.lengths + [float(sampler.numel[i]) for i in present] +
+        floats = torch.tensor(self.lengths + self.sizes +
                               [float(self.lengths[j]) for j in self.order], dtype=torch.float64).to(device)
         ints = torch.tensor(np.concatenate([np.argsort(self.order), self.order, self.big]).astype(np.int64)).to(device)
         self.k, self.numel, k_ordered = floats[:n], floats[n:2 * n], floats[2 * n:]
@@ -132,6 +133,14 @@ class Layout:
         # What a gather appends, in order: each parameter then its row's padding (sliced once, here).
         self.plan = [(j, present[j], pad[:b.width - self.lengths[j]] if self.lengths[j] < b.width else None)
                      for b in self.buckets for j in b.positions]
+
+    def sample_of(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """The sample of the parameter at position ``j`` (within ``present``) in a captured row ``x``."""
+        for bucket in self.buckets:
+            if j in bucket.positions:
+                start = bucket.start + bucket.positions.index(j) * bucket.width
+                return x[start:start + self.lengths[j]]
+        raise ValueError(f"position {j} is not in this layout")
 
     def release(self) -> None:
         """Drop the cached histogram offsets (the rest is a few constants per parameter)."""

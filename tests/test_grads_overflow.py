@@ -1,0 +1,145 @@
+"""Finite gradients whose float32 sums of squares overflow: gradients of 1e20 square to 1e40, past
+float32's 3.4e38, though their norm (about 1e21) is a float32. Their norms are reported finite and
+right, never as NaN/Inf values; a gradient that really holds an Inf still is; a norm that is itself
+past float32's range is reported as such."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torch_nbdebug.api.grads import grads, record_gradients
+from torch_nbdebug.data.grads import FIELD
+from torch_nbdebug.record.grads import recorder as rec_mod
+
+
+def _deep(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)], nn.Linear(16, 2)).to(dtype)
+
+
+def _train(model: nn.Module, scale: float, steps: int, **options: object) -> tuple[object, list[list[float]]]:
+    """Record ``steps`` SGD steps whose loss is scaled by ``scale``; also returns each step's exact norms
+    (float64, of every parameter in order) taken by hand."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    dtype = next(model.parameters()).dtype
+    expected = []
+    with record_gradients(model, **options) as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            (model(torch.randn(8, 16, dtype=dtype)).float().sum() * scale).backward()
+            expected.append([torch.linalg.vector_norm(p.grad.double()).item() for p in model.parameters()])
+            opt.step()
+    return rec, expected
+
+
+def _norms(rec: object, step: int) -> list[float]:
+    return [p.norm for li in range(len(rec.layers)) for p in rec.layer(li, step).params]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("exact_last", [True, False])
+def test_finite_gradients_of_1e20_have_finite_exact_norms_and_no_nan_inf_flag(
+        exact_last: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rec_mod, "_FLUSH", 2)  # flushes while recording too, not only at the end
+    model = _deep()
+    rec, expected = _train(model, 1e20, 5, exact_last=exact_last)
+    assert max(max(e) for e in expected) > 2e19  # beyond sqrt(3.4e38): the float32 sum of squares overflows
+    for step in range(5):
+        assert _norms(rec, step) == pytest.approx(expected[step], rel=1e-6)
+        params = [p for li in range(len(rec.layers)) for p in rec.layer(li, step).params]
+        assert all(p.nan == 0 and p.inf == 0 and p.mean is not None and np.isfinite(p.std) for p in params)
+        flags = rec.flags_at(step)
+        assert flags and all(f.kind == "exploding" for f in flags), flags
+        assert not any("NaN" in f.reason or "beyond" in f.reason for f in flags)
+    assert "non-finite" not in rec.text() and " inf " not in rec.text()
+    assert not [n for n in rec.trace.notes if "overflowed" in n]  # every parameter taken whole: exact
+    snapshot = grads(model)
+    assert _norms(snapshot, 0) == pytest.approx(expected[-1], rel=1e-6)
+    assert not [f for f in snapshot.flags_at() if f.kind == "non-finite"]
+
+
+def test_sampled_gradients_of_1e20_have_finite_norms_exact_at_the_last_step() -> None:
+    """A parameter larger than the sample: at earlier steps its gradient is gone by the time the overflow
+    is seen, so its norm is estimated from its sample (and a note says so); the last step is exact."""
+    model = _deep()
+    rec, expected = _train(model, 1e20, 3, sample=64)
+    big = [i for i, p in enumerate(model.parameters()) if p.numel() > 64]
+    for step in range(3):
+        norms = _norms(rec, step)
+        assert all(np.isfinite(norms)) and not [f for f in rec.flags_at(step) if f.kind == "non-finite"]
+        for i in big:  # the estimate lies within what the largest |g| allows, and near the truth
+            assert norms[i] == pytest.approx(expected[step][i], rel=0.5)
+    assert [norms[i] for i in big] == pytest.approx([expected[-1][i] for i in big], rel=1e-6)
+    notes = [n for n in rec.trace.notes if "overflowed" in n]
+    assert len(notes) == 1 and "at 2 step(s)" in notes[0] and "estimated from their sample" in notes[0]
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float16, 3e3), (torch.bfloat16, 1e20)])
+def test_half_precision_gradients_have_finite_exact_norms(dtype: torch.dtype, scale: float) -> None:
+    """float16 gradients of about 1e3 (past 65504 squared) and bfloat16 ones of 1e20 (float32's exponent)."""
+    model = _deep(dtype)
+    rec, expected = _train(model, scale, 3, exact_last=False)
+    assert max(max(e) for e in expected) > (300 if dtype == torch.float16 else 2e19)
+    for step in range(3):
+        assert _norms(rec, step) == pytest.approx(expected[step], rel=1e-6)
+        assert not [f for f in rec.flags_at(step) if f.kind == "non-finite"]
+    assert _norms(grads(model), 0) == pytest.approx(expected[-1], rel=1e-6)
+
+
+def test_a_real_inf_gradient_is_still_flagged_non_finite() -> None:
+    model = _deep()
+    one = torch.zeros(16, 16, dtype=torch.bool)
+    one[0, 0] = True
+    hook = model[3].weight.register_hook(lambda g: g.masked_fill(one, float("inf")))
+    for exact_last in (True, False):
+        with record_gradients(model, exact_last=exact_last) as rec:
+            model.zero_grad()
+            (model(torch.randn(8, 16)).sum() * 1e20).backward()
+        flags = [f for f in rec.flags_at() if f.kind == "non-finite"]
+        assert [f.layer for f in flags] == [3]
+        assert "has 0 NaN and 1 Inf values out of 256" in flags[0].reason
+        assert rec.layer(3).param("weight").inf == 1
+    hook.remove()
+    assert [f.layer for f in grads(model).flags_at() if f.kind == "non-finite"] == [3]
+
+
+def test_a_norm_beyond_float32_is_reported_as_such_not_as_nan_or_inf_values() -> None:
+    """Values of 1e38, finite in float32, 16 of them: their norm 4e38 is past float32's 3.4e38; it is
+    kept (in float64) and said to be out of float32's range."""
+    model = nn.Linear(4, 4, bias=False)
+    truth = 4e38
+    for exact_last in (True, False):
+        with record_gradients(model, exact_last=exact_last) as rec:
+            model.weight.grad = torch.full((4, 4), 1e38)
+            model(torch.zeros(1, 4)).sum().backward()  # a backward adds 0 to it: one recorded step
+        w = rec.layer(0).param("weight")
+        assert w.norm == pytest.approx(truth, rel=1e-6) and w.nan == 0 and w.inf == 0
+        (flag,) = rec.flags_at()
+        assert flag.kind == "exploding" and flag.reason == (
+            "weight gradient norm 4e+38, beyond float32's 3.4e+38: every value is finite, the largest |g| is 1e+38")
+    snapshot = grads(model)
+    assert snapshot.layer(0).param("weight").norm == pytest.approx(truth, rel=1e-6)
+    assert [f.kind for f in snapshot.flags_at()] == ["exploding"]
+
+
+def test_parameter_norms_of_a_snapshot_do_not_overflow() -> None:
+    model = nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight.fill_(1e20)
+    model(torch.ones(1, 16)).sum().backward()
+    stats = grads(model).trace.stats[0]
+    assert stats[0, FIELD["param_norm"]] == pytest.approx(16e20, rel=1e-6)
+
+
+def test_a_norm_beyond_float64_is_said_to_overflow_not_to_hold_inf_values() -> None:
+    """float64 values of 1e160, 16 of them: the float64 sum of squares (1.6e321) overflows, the norm
+    4e160 would not. What the snapshot cannot measure it says it cannot, never as Inf values."""
+    model = nn.Linear(4, 4, bias=False).double()
+    model.weight.grad = torch.full((4, 4), 1e160, dtype=torch.float64)
+    snapshot = grads(model)
+    w = snapshot.layer(0).param("weight")
+    assert w.nan == 0 and w.inf == 0 and w.max_abs == 1e160
+    (flag,) = snapshot.flags_at()
+    assert flag.kind == "exploding" and flag.reason == (
+        "weight gradient norm overflows float64: every value is finite, the largest |g| is 1e+160")
