@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from torch_nbdebug.data.stats import fmt_number
 from torch_nbdebug.render.html import esc
 
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
 
-__all__ = ["DPI", "STYLE", "png", "picture", "img_tag", "warm_up", "MUTED", "GRID", "TEXT"]
+__all__ = ["DPI", "STYLE", "png", "picture", "img_tag", "warm_up", "log_axis", "MUTED", "GRID", "TEXT"]
 
 DPI = 100
 TEXT, MUTED, GRID = "#1f2328", "#57606a", "#d8dee4"
@@ -61,7 +62,10 @@ STYLE: dict[RcKeyType, Any] = {
 def _import_drawing() -> None:
     import matplotlib.backends.backend_agg  # noqa: F401 - the modules png() uses, ~0.9 s the first time
     import matplotlib.figure  # noqa: F401
-    import PIL.Image  # noqa: F401
+    import matplotlib.ticker  # noqa: F401
+    import PIL.Image
+
+    PIL.Image.preinit()  # the format plugins its first save imports
 
 
 def warm_up() -> None:
@@ -166,6 +170,21 @@ def _freed_at_once() -> Any:
         if _since_collection[0] >= _COLLECT_EVERY:
             gc.collect()
             _since_collection[:] = [0, gc.get_stats()[2]["collections"]]
+
+
+def log_axis(ax: Any) -> None:
+    """Give ``ax`` a log y axis whose ticks read as every view writes numbers (``0.01``, ``1e-07``), not
+    as TeX powers of ten: those are drawn through mathtext, whose parser takes ~0.4 s to build the first
+    time a session draws one. The same ticks are labelled as matplotlib labels them."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def __call__(self, x: float, pos: Any = None) -> str:
+            return fmt_number(x, 3) if super().__call__(x, pos) else ""
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(Plain())
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False))
 
 
 def img_tag(data: bytes, alt: str, width: float, height: float, cls: str = "tnd-figure") -> str:
