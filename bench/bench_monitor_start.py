@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_monitor_start.py --runs 1
 
 Each run starts a fresh in-process ipykernel (the shell, display publisher and comms of a notebook's
-kernel), defines a small model, times the plain 30-step loop, ``%load_ext torch_nbdebug``, then the
+kernel), defines a small model (torch on one thread), times the plain 30-step loop, ``%load_ext torch_nbdebug``, then the
 same loop under ``%%monitor loss, opt.param_groups[0]["lr"]`` twice (the first run pays what is paid
 once: imports, the first widget, the first picture), each in a cell of its own.
 """
@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent("""
     SETUP = '''
     import torch
     from torch import nn
+    torch.set_num_threads(1)  # one thread: no spinning workers in the CPU times on a shared machine
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.003)
@@ -37,18 +38,19 @@ SCRIPT = textwrap.dedent("""
         loss = nn.functional.mse_loss(net(x), y)
         opt.zero_grad(); loss.backward(); opt.step()
     '''
-    def timed(code, cell_id):
-        start = time.perf_counter()
+    out = {}
+    def timed(name, code, cell_id):
+        start, cpu = time.perf_counter(), time.process_time()
         result = shell.run_cell(code, store_history=True, cell_id=cell_id)
         assert result.success, result.error_in_exec
-        return time.perf_counter() - start
+        out[name], out[name + "_cpu"] = time.perf_counter() - start, time.process_time() - cpu
     shell.run_cell(SETUP)
-    out = {"plain": timed(LOOP, "plain")}
-    out["load_ext"] = timed("%load_ext torch_nbdebug", "load")
+    timed("plain", LOOP, "plain")
+    timed("load_ext", "%load_ext torch_nbdebug", "load")
     monitored = '%%monitor loss, opt.param_groups[0]["lr"]\\n' + LOOP
-    out["first"] = timed(monitored, "m1")
-    out["second"] = timed(monitored, "m2")
-    out["plain_again"] = timed(LOOP, "plain")
+    timed("first", monitored, "m1")
+    timed("second", monitored, "m2")
+    timed("plain_again", LOOP, "plain")
     print(json.dumps(out))
 """)
 
@@ -67,11 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     runs = [one() for _ in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     plain = min(med["plain"], med["plain_again"])
-    print(f"median of {args.runs} fresh kernel(s), seconds")
-    print(f"  plain 30-step loop          {plain:6.2f}")
-    print(f"  %load_ext torch_nbdebug     {med['load_ext']:6.2f}")
-    print(f"  first %%monitor run         {med['first']:6.2f}  (+{med['first'] - plain:.2f} over plain)")
-    print(f"  second %%monitor run        {med['second']:6.2f}  (+{med['second'] - plain:.2f} over plain)")
+    plain_cpu = min(med["plain_cpu"], med["plain_again_cpu"])
+    print(f"median of {args.runs} fresh kernel(s), seconds: wall, and the kernel process's CPU time (all its")
+    print("threads: steadier than wall on a shared machine)")
+    print(f"  plain 30-step loop          {plain:6.2f}   cpu {plain_cpu:6.2f}")
+    print(f"  %load_ext torch_nbdebug     {med['load_ext']:6.2f}   cpu {med['load_ext_cpu']:6.2f}")
+    for name, label in (("first", "first %%monitor run "), ("second", "second %%monitor run")):
+        print(f"  {label}        {med[name]:6.2f}   cpu {med[name + '_cpu']:6.2f}  (+{med[name] - plain:.2f} wall, "
+              f"+{med[name + '_cpu'] - plain_cpu:.2f} cpu over plain)")
+    fixed = statistics.median(r["first"] - r["second"] for r in runs)
+    fixed_cpu = statistics.median(r["first_cpu"] - r["second_cpu"] for r in runs)
+    print(f"  paid once (first - second run, same kernel)  {fixed:+.2f}   cpu {fixed_cpu:+.2f}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch_nbdebug.process.explain_hints import REQUIRES_GRAD_WARNING
 from torch_nbdebug.render.bundle import WIDGET_MIME
 from torch_nbdebug.render.explain import (DiagnosisPayload, ExplainView, OperandPayload, diagnosis_html,
                                           payload)
+from torch_nbdebug.render.widget import unpack
 
 
 class Gate(nn.Module):
@@ -99,7 +100,7 @@ def test_user_strings_reach_the_widget_raw_and_the_static_card_escaped() -> None
 
 
 def test_the_view_writes_no_html_strings() -> None:
-    js = str(ExplainView._esm)  # the module as sent: the view's code and the shared dom.js it imports
+    js = unpack(ExplainView._esm)[0]  # the module as sent: the view's code and the shared dom.js it imports
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "outerHTML" not in js
     assert "children.flat(Infinity)" in js  # nested children (culprit: op, " in ", [module, line]) are flattened
     assert "aria-expanded" in js and "aria-label" in js  # the toggle says its state; the icon button its name

@@ -65,14 +65,47 @@ def test_widget_zoom_recomputes_the_visible_window() -> None:
             b = a * 2
     view = TimelineView(tl, max_points=50)
     n = len(tl.steps)
-    assert view.view["lo"] == 0 and view.view["hi"] == n - 1 and len(view.view["steps"]) <= 52
+    assert view.view["lo"] == 0 and view.view["hi"] == n - 1 and len(ints(view.view["steps"])) <= 52
     json.dumps(view.meta), json.dumps(view.view)  # synced state is plain JSON
     view.x_range = [100, 140]
     assert view.view["lo"] == 100 and view.view["hi"] == 140
-    assert view.view["steps"] == list(range(100, 141))
+    assert ints(view.view["steps"]) == list(range(100, 141))
     assert view.view["local_peak"]["step"] in range(100, 141)
     view.x_range = [-5, 10 ** 9]  # out of range: clamped
     assert view.view["lo"] == 0 and view.view["hi"] == n - 1
+
+
+def ints(text: str) -> list[int]:
+    """What memory.js's ``ints`` reads from a series the kernel sent (differences, ``d*n`` for runs)."""
+    out, x = [], 0
+    for token in text.split(",") if text else []:
+        d, _, n = token.partition("*")
+        for _ in range(int(n or 1)):
+            x += int(d)
+            out.append(x)
+    return out
+
+
+def test_series_are_sent_as_runs_of_differences() -> None:
+    from torch_nbdebug.process.memory import window
+    from torch_nbdebug.render.memory import deltas
+
+    for values in ([], [7], [5, 5, 5, 5, 9, 9, 2, -3, 1 << 40, 0], list(range(0, 3000, 3))):
+        assert ints(deltas(values)) == values
+    assert deltas([0, 4096, 4096, 4096, 4096, 0]) == "0,4096,0*3,-4096"
+    assert deltas(range(1000)) == "0,1*999"  # a step-shaped series is a few characters
+    with memory_timeline({}, device="cpu") as tl:
+        for _ in range(50):
+            a = torch.ones(100)
+            b = a * 2
+    view, plain = TimelineView(tl).view, window(tl, 0, len(tl.steps) - 1, 1200)
+    assert ints(view["steps"]) == plain["steps"] and [ints(s) for s in view["series"]] == plain["series"]
+    assert [t / 1e6 for t in ints(view["time_us"])] == pytest.approx(plain["time_s"], abs=5.1e-5)  # to 0.1 ms
+    assert len(json.dumps(view["series"])) < len(json.dumps(plain["series"])) / 4
+    assert json.loads(view["phases"]) == plain["phases"]
+    shown = json.loads(view["local_peak"]["allocations"])
+    assert len(shown) == len(plain["local_peak"]["allocations"]) and all("address" not in a for a in shown)
+    assert [a["nbytes"] for a in shown] == [a["nbytes"] for a in plain["local_peak"]["allocations"]]
 
 
 def test_state_widget_and_text() -> None:

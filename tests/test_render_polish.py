@@ -16,7 +16,7 @@ from torch_nbdebug.render.graph import GraphWidget
 from torch_nbdebug.render.html import static_text
 from torch_nbdebug.render.memory import StateView, TimelineView, nice_ticks
 from torch_nbdebug.render.nanwatch import NanView, report_html, report_text, source_window
-from torch_nbdebug.render.widget import compact_css
+from torch_nbdebug.render.widget import compact_css, unpack
 
 
 def test_clean_report_is_green_only_when_the_data_supports_it() -> None:
@@ -72,4 +72,5 @@ def test_counts_are_whole_numbers() -> None:
 def test_every_widget_loads_the_shared_stylesheet() -> None:
     shared = static_text("base.css")
     for view in (NanView, GradsView, GraphWidget, TimelineView, StateView):
-        assert str(view._css) == compact_css(shared), view  # the same rules as the static view, compacted
+        # the same rules as the static view, compacted, sent inside the packed module (issue 26 item 10)
+        assert unpack(view._esm)[1] == compact_css(shared), view

@@ -338,21 +338,28 @@ class GraphExplorer(Displayable):
         return self._widget
 
 
+def _n(value: float) -> str:
+    """A coordinate to a tenth of a pixel, without a trailing ``.0``."""
+    text = f"{value:.1f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _path_d(points: tuple[tuple[float, float], ...]) -> str:
     """A smooth curve through the route's points, leaving and entering each vertically."""
     (x0, y0) = points[0]
-    parts = [f"M{x0:.1f},{y0:.1f}"]
+    parts = [f"M{_n(x0)},{_n(y0)}"]
     last = len(points) - 1
     for k in range(1, len(points)):
         (x1, y1), (x2, y2) = points[k - 1], points[k]
         y2 = y2 - 4 if k == last else y2  # room for the arrow head
         bend = max(8.0, abs(y2 - y1) / 2)
-        parts.append(f"C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} {x2:.1f},{y2:.1f}")
+        parts.append(f"C{_n(x1)},{_n(y1 + bend)} {_n(x2)},{_n(y2 - bend)} {_n(x2)},{_n(y2)}")
     return " ".join(parts)
 
 
 def render_svg(ex: GraphExplorer, vg: pg.ViewGraph, lay: Layout) -> str:
-    """The view as one self-contained SVG; ``data-id`` on every clickable element."""
+    """The view as one self-contained SVG; ``data-id`` on every clickable element. What all edges or
+    all boxes share is said once, on a ``<g>`` around them (inherited): the SVG is saved in notebooks."""
     m = 8.0
     w, h = lay.width + 2 * m, lay.height + 2 * m
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' class='tnd-graph-svg' width='{w:.0f}' height='{h:.0f}' "
@@ -363,19 +370,21 @@ def render_svg(ex: GraphExplorer, vg: pg.ViewGraph, lay: Layout) -> str:
         if box.kind == "cluster":
             title = group_label(ex.hierarchy, box.id)
             g = ex.hierarchy.groups[box.id]
-            out.append(f"<g class='cluster' data-id='{esc(box.id)}'><rect x='{box.x:.1f}' y='{box.y:.1f}' "
-                       f"width='{box.w:.1f}' height='{box.h:.1f}' rx='6' fill='#fbfbfc' fill-opacity='0.6' "
-                       f"stroke='#8c959f' stroke-dasharray='4 3'/><text class='title' x='{box.x + 8:.1f}' "
-                       f"y='{box.y + 15:.1f}' font-weight='600' fill='#57606a'>▾ {esc(title)}"
+            out.append(f"<g class='cluster' data-id='{esc(box.id)}'><rect x='{_n(box.x)}' y='{_n(box.y)}' "
+                       f"width='{_n(box.w)}' height='{_n(box.h)}' rx='6' fill='#fbfbfc' fill-opacity='0.6' "
+                       f"stroke='#8c959f' stroke-dasharray='4 3'/><text class='title' x='{_n(box.x + 8)}' "
+                       f"y='{_n(box.y + 15)}' font-weight='600' fill='#57606a'>▾ {esc(title)}"
                        f"<tspan fill='#8c959f' font-weight='400'> {esc(g.type_name)}</tspan></text></g>")
+    out.append("<g fill='none' stroke='#8c959f' marker-end='url(#tnd-arrow)'>")
     for r in lay.routes:
         width = 1.0 + min(3.0, r.count / 4)
         out.append(f"<path class='edge' data-src='{esc(r.src)}' data-dst='{esc(r.dst)}' d='{_path_d(r.points)}' "
-                   f"fill='none' stroke='#8c959f' stroke-width='{width:.1f}' marker-end='url(#tnd-arrow)'/>")
+                   f"stroke-width='{_n(width)}'/>")
+    out.append("</g><g text-anchor='middle' fill='#1f2328' style='cursor:pointer'>")
     for box in lay.boxes.values():
         if box.kind != "cluster":
             out.append(_item_svg(ex, box.id, box.x, box.y, box.w, box.h))
-    out.append("</svg>")
+    out.append("</g></svg>")
     return "".join(out)
 
 
@@ -392,15 +401,16 @@ def _item_svg(ex: GraphExplorer, item: str, x: float, y: float, w: float, h: flo
     selected = " selected" if item == ex.selected else ""
     extra = ""
     if cls == "group":  # a second frame reads as "there is more inside"
-        extra = (f"<rect x='{x + 3:.1f}' y='{y + 3:.1f}' width='{w:.1f}' height='{h:.1f}' rx='5' fill='{fill}' "
+        extra = (f"<rect x='{_n(x + 3)}' y='{_n(y + 3)}' width='{_n(w)}' height='{_n(h)}' rx='5' fill='{fill}' "
                  f"stroke='{stroke}'/>")
         main = "▸ " + main
-    return (f"<g class='{cls}{' nan' if nan else ''}{selected}' data-id='{esc(item)}' style='cursor:pointer'>"
-            f"<title>{esc(tip)}</title>{extra}<rect x='{x:.1f}' y='{y:.1f}' width='{w:.1f}' height='{h:.1f}' rx='5' "
-            f"fill='{fill}' stroke='{stroke}' stroke-width='{2.5 if nan or selected else 1}'/>"
-            f"<text x='{x + w / 2:.1f}' y='{y + 14:.1f}' text-anchor='middle' fill='#1f2328'>{esc(_clip(main, w))}</text>"
-            f"<text x='{x + w / 2:.1f}' y='{y + 27:.1f}' text-anchor='middle' fill='#57606a' font-size='10'>"
-            f"{esc(_clip(sub, w))}</text></g>")
+    wide = " stroke-width='2.5'" if nan or selected else ""
+    # text-anchor, the first line's fill and the pointer come from the <g> around all boxes (render_svg)
+    return (f"<g class='{cls}{' nan' if nan else ''}{selected}' data-id='{esc(item)}'>"
+            f"<title>{esc(tip)}</title>{extra}<rect x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(h)}' rx='5' "
+            f"fill='{fill}' stroke='{stroke}'{wide}/>"
+            f"<text x='{_n(x + w / 2)}' y='{_n(y + 14)}'>{esc(_clip(main, w))}</text>"
+            f"<text x='{_n(x + w / 2)}' y='{_n(y + 27)}' fill='#57606a' font-size='10'>{esc(_clip(sub, w))}</text></g>")
 
 
 def _clip(text: str, width: float) -> str:

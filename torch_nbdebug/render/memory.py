@@ -5,7 +5,10 @@ The widget holds the full-resolution series in the kernel; the browser asks for 
 """
 from __future__ import annotations
 
+import json
 import math
+
+import numpy as np
 from typing import Any, Optional, Sequence
 
 import traitlets
@@ -136,7 +139,7 @@ def timeline_figure(tl: MemoryTimeline, max_points: int = STATIC_POINTS) -> str:
 
 
 def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
-    ax = fig.add_axes((LEFT / W, 0.30, 1 - (LEFT + RIGHT) / W, 0.62))
+    ax = fig.add_axes((LEFT / W, 0.37, 1 - (LEFT + RIGHT) / W, 0.56))  # the legend below the axis label
     n = len(tl.steps)
     if n == 0:
         ax.set_axis_off()
@@ -149,9 +152,13 @@ def _draw_timeline(fig: Any, tl: MemoryTimeline, max_points: int) -> None:
     for phase, colour in PHASE_COLORS.items():  # one collection per phase: thousands of runs stay cheap
         runs = [(p.start - 1, p.end - p.start + 1) for p in tl.phases if p.phase == phase]
         if runs:
-            ax.broken_barh(runs, (0, ymax), facecolors=colour, label=f"{phase} (shading)")
-    ax.stackplot(tl.steps[idx], *(tl.by_category[idx, CATEGORIES.index(c)] for c in shown),
-                          colors=[COLORS[c] for c in shown], alpha=0.85, labels=[CATEGORY_LABELS[c] for c in shown])
+            ax.broken_barh(runs, (0, ymax), facecolors=colour, label=f"{phase} (shading)", antialiased=False)
+    lower = np.zeros(len(idx))
+    for c in shown:  # memory holds between events: steps, with crisp edges (a PNG of few colours)
+        upper = lower + tl.by_category[idx, CATEGORIES.index(c)]
+        ax.fill_between(tl.steps[idx], lower, upper, step="post", color=COLORS[c], linewidth=0, antialiased=False,
+                        label=CATEGORY_LABELS[c])
+        lower = upper
     starts = [p.start - 1 for k, p in enumerate(tl.phases) if k and p.iteration != tl.phases[k - 1].iteration]
     if starts:
         ax.vlines(starts, 0, ymax, colors="#57606a", linestyles=(0, (2, 3)), linewidth=0.8, label="iteration start")
@@ -248,10 +255,46 @@ def _meta(tl: MemoryTimeline) -> dict[str, Any]:
             "title": timeline_text(tl).splitlines()[0],
             "categories": list(CATEGORIES), "labels": [CATEGORY_LABELS[c] for c in CATEGORIES],
             "colors": [COLORS[c] for c in CATEGORIES], "phase_colors": PHASE_COLORS,
-            "peak": {"step": tl.peak_step, "bytes": tl.peak_bytes,
-                     "allocations": [a.to_dict() for a in tl.peak_allocations]},
+            "peak": {"step": tl.peak_step, "bytes": tl.peak_bytes},  # its allocations: the view's local peak
             "ymax": int(max(tl.peak_bytes, int(tl.reserved.max()) if tl.reserved is not None and len(tl.reserved) else 0, 1)),
             "leaks": [leak.to_dict() for leak in tl.leaks]}
+
+
+# Fields of an allocation the widget shows (not its address, device or graph flag).
+_SHOWN = ("id", "nbytes", "dtype", "shape", "category", "holder", "module", "op", "phase", "start", "end", "line")
+
+
+def deltas(values: Any) -> str:
+    """Integers as their differences, comma-separated, a run of ``n`` equal differences as ``d*n``
+    (memory.js's ``ints`` reads it back). Memory changes in one category per event: a step-shaped
+    series of thousands of events is a few hundred characters, not one JSON line per number (saved
+    notebooks indent every list item)."""
+    diffs = np.diff(np.asarray(values, dtype=np.int64), prepend=np.int64(0))
+    if not len(diffs):
+        return ""
+    cuts = np.flatnonzero(diffs[1:] != diffs[:-1]) + 1
+    starts, ends = np.r_[0, cuts], np.r_[cuts, len(diffs)]
+    return ",".join(f"{diffs[a]}*{b - a}" if b - a > 1 else f"{diffs[a]}" for a, b in zip(starts.tolist(), ends.tolist()))
+
+
+def packed_window(tl: MemoryTimeline, lo: int, hi: int, max_points: int, spans: Any) -> dict[str, Any]:
+    """:func:`process.memory.window` as the widget receives it: each series as :func:`deltas` (times in
+    microseconds, ``time_us``, to the 0.1 ms the widget prints), the phases and the local peak's
+    allocations (with the fields the widget shows) as JSON texts."""
+    view = window(tl, lo, hi, max_points, spans=spans)
+    peak = view["local_peak"]
+    allocations = [{k: a[k] for k in _SHOWN} for a in peak["allocations"]]
+    seconds = view.pop("time_s")  # to the 0.1 ms the widget prints
+    return {**view, "steps": deltas(view["steps"]), "time_us": deltas(np.round(np.asarray(seconds) * 1e4) * 100),
+            "series": [deltas(column) for column in view["series"]],
+            "reserved": None if view["reserved"] is None else deltas(view["reserved"]),
+            "phases": _json(view["phases"]), "local_peak": {**peak, "allocations": _json(allocations)}}
+
+
+def _json(rows: Any) -> str:
+    """Rows of records as one compact JSON text (memory.js parses it): a saved notebook indents every
+    key of a record on a line of its own, a text is one line."""
+    return json.dumps(rows, separators=(",", ":"))
 
 
 class TimelineView(View):
@@ -269,13 +312,13 @@ class TimelineView(View):
         self._spans = allocation_spans(tl.allocations)  # numbers only: no tensors are kept
         n = len(tl.steps)
         super().__init__(meta=_meta(tl), x_range=[0, max(n - 1, 0)], **kwargs)
-        self.view = window(tl, 0, max(n - 1, 0), max_points, spans=self._spans) if n else {}
+        self.view = packed_window(tl, 0, max(n - 1, 0), max_points, self._spans) if n else {}
 
     @traitlets.observe("x_range")
     def _zoom(self, change: dict[str, Any]) -> None:
         if len(self._timeline.steps) and len(change["new"]) == 2:
             lo, hi = change["new"]
-            self.view = window(self._timeline, lo, hi, self._max_points, spans=self._spans)
+            self.view = packed_window(self._timeline, lo, hi, self._max_points, self._spans)
 
 
 class StateView(View):

@@ -19,7 +19,7 @@ import traitlets
 
 from torch_nbdebug.data.monitor import Alert, MonitorHistory
 from torch_nbdebug.process.monitor import AlertGroup, flat_limits, group_alerts, smooth, thin
-from torch_nbdebug.render.figures import img_tag, png
+from torch_nbdebug.render.figures import img_tag, log_axis, png
 from torch_nbdebug.render.html import esc
 from torch_nbdebug.render.live import MAX_POINTS, Progress
 from torch_nbdebug.render.widget import View, esm_path
@@ -126,7 +126,7 @@ def figure_png(history: MonitorHistory, alerts: tuple[Alert, ...], smoothing: fl
                 column = history.grad_norm[keep, li]
                 ax.plot(steps, np.where(column > 0, column, np.nan), linewidth=1, color=colour,
                         label=_short(history.layers[li]))
-            ax.set_yscale("log")
+            log_axis(ax)
             ax.set_ylabel("grad norm per layer", fontsize=8)
             _mark(ax, [a for a in alerts if a.of == "layer"])
         axes[-1].set_xlabel("optimizer step", fontsize=8)
@@ -158,7 +158,7 @@ def _short(name: str, limit: int = 28) -> str:
 def _log_if_wide(ax: Any, series: np.ndarray) -> None:
     finite = series[np.isfinite(series)]
     if len(finite) and (finite > 0).all() and finite.max() / finite.min() > 100:
-        ax.set_yscale("log")
+        log_axis(ax)
 
 
 def _mark(ax: Any, alerts: list[Alert]) -> None:

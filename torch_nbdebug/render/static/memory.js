@@ -25,6 +25,21 @@ const svg = (tag, attrs, parent) => { const e = s(tag, attrs); if (parent) paren
 function shape(a) { return a.dtype ? `${a.dtype}[${a.shape.join(", ")}]` : "(allocator block)"; }
 const where = (l) => place(l) + (l.text ? `: ${l.text}` : "");
 function lineOf(a) { return a.line ? where(a.line) : ""; }
+// The kernel sends each series as differences, a run of n equal ones as "d*n" (render/memory.py: deltas).
+function ints(s) {
+  const out = []; let x = 0;
+  for (const t of s ? s.split(",") : []) { const [d, n] = t.split("*"); for (let k = n ? +n : 1; k > 0; k--) out.push(x += +d); }
+  return out;
+}
+// Phases and the peak's allocations come as JSON texts.
+const unpacked = new WeakMap();  // view sent -> as arrays (read again on every pointer move)
+function unpack(v) {
+  if (!v || typeof v.steps !== "string") return v;
+  if (!unpacked.has(v)) unpacked.set(v, { ...v, steps: ints(v.steps), time_s: ints(v.time_us).map((t) => t / 1e6),
+    series: v.series.map(ints), reserved: v.reserved === null ? null : ints(v.reserved), phases: JSON.parse(v.phases),
+    local_peak: { ...v.local_peak, allocations: JSON.parse(v.local_peak.allocations) } });
+  return unpacked.get(v);
+}
 
 function allocTable(parent, allocs, labels, cats, colors, detail, leaked) {
   const table = html("table", { class: "allocs" }, html("div", { class: "scroll" }, parent));
@@ -125,7 +140,7 @@ function renderTimeline(model, el) {
     chart.setAttribute("width", W); chart.setAttribute("height", H); chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
   }
   function draw() {
-    const v = model.get("view");
+    const v = unpack(model.get("view"));
     fit();
     chart.replaceChildren();
     if (!v || !v.steps) return;
@@ -205,7 +220,7 @@ function renderTimeline(model, el) {
   const onMove = (evt) => {
     if (!scale) return;
     const { x, step } = toStep(evt);
-    const v = model.get("view");
+    const v = unpack(model.get("view"));
     let k = 0, hiK = v.steps.length - 1;
     while (k < hiK) { const m = (k + hiK) >> 1; if (v.steps[m] < step) k = m + 1; else hiK = m; }
     const cur = chart.querySelector(".cursor");
