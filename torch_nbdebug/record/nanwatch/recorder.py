@@ -69,17 +69,10 @@ class NanRecorder(Recorder):
         self.ops_seen = self.ops_checked = 0
         self.thread = WatchThread()
         self.switch = ModeSwitch()
-        self.immediate = ImmediateChecks(self)
-        self.deferred = DeferredChecks(self) if defer else None
-        self.amp = AmpChecks(self, self.immediate, self.deferred)
         self.model_calls = ModelCalls()  # replay: the outermost calls, to name backward births' forward ops
-        self.replayer = Replayer(self, self._replay_watch, self._module_fallback, self.own_hook_ids) \
-            if self.options.replay else None
-        self.verdicts = ModuleVerdicts(self, self._depth, self.replayer.note if self.replayer is not None else None)
-        self.table = ModuleTable(self, self.layers, self.thread, self.verdicts, self.deferred, self._depth,
-                                 self._optimizer_busy)
         self.optim: Optional[OptimizerWatch] = None
         self._scope = HookScope()
+        self._final: Optional[NanRecording] = None  # what stop() handed over (the helpers are let go then)
         self.places = ForwardPlaces()
         self._last_seq = -1
         self._op_seq: Optional[int] = None
@@ -87,6 +80,22 @@ class NanRecorder(Recorder):
         self._handles: list[Removable] = []  # this watch's global hooks (a replay knows them by their ids)
         self._tensor_hooks = TensorHooks()
         self._tracker: Optional[ThreadTracker] = None
+        self._notes: list[str] = []
+        self._build_helpers()
+
+    def _build_helpers(self) -> None:
+        """The checks, the module layer and replay's layers the hooks call (again when a stopped watch starts
+        anew: :meth:`_release` let go of them)."""
+        self.immediate = ImmediateChecks(self)
+        self.deferred = DeferredChecks(self) if self.options.defer else None
+        self.amp = AmpChecks(self, self.immediate, self.deferred)
+        self.replayer = Replayer(self, self._replay_watch, self._module_fallback, self.own_hook_ids) \
+            if self.options.replay else None
+        if self.replayer is not None:
+            self.replayer.notes = self._notes  # (the notes of an earlier start, if any)
+        self.verdicts = ModuleVerdicts(self, self._depth, self.replayer.note if self.replayer is not None else None)
+        self.table = ModuleTable(self, self.layers, self.thread, self.verdicts, self.deferred, self._depth,
+                                 self._optimizer_busy)
         # replay: the backward runs without the per-op mode (replay.backward); the gate catches its start
         self.backward_watch: Optional[BackwardWatch] = None
         self.keeper: Optional[KeptOutputs] = None
@@ -109,6 +118,8 @@ class NanRecorder(Recorder):
 
     def recording(self) -> NanRecording:
         """What was recorded so far, as plain data (:meth:`stop` returns it once everything is off)."""
+        if self._final is not None:
+            return self._final
         log, replayer = self.log, self.replayer
         return NanRecording(self.options, tuple(log.events), frozenset(log.absorbed), self.layers.rows(set()),
                             self.ops_seen, self.ops_checked, log.dropped, log.full(), tuple(sorted(log.scaler_skips)),
@@ -118,6 +129,9 @@ class NanRecorder(Recorder):
 
     # -- lifetime --------------------------------------------------------------------------
     def start(self) -> None:
+        if self._final is not None:  # a stopped watch entered again: what it recorded goes on
+            self._final = None
+            self._build_helpers()
         try:
             self._scope.open(self._install)
         except BaseException:
@@ -156,6 +170,8 @@ class NanRecorder(Recorder):
     def stop(self) -> NanRecording:
         """Remove every hook and mode; read outstanding device flags (errors there are not raised); hand
         over what was recorded."""
+        if self._final is not None:
+            return self._final
         try:
             if self.options.replay and self.switch.mode is not None:  # while the hooks still name the modules
                 with self.log.not_raising():
@@ -166,7 +182,23 @@ class NanRecorder(Recorder):
                 self.internal_error("removing its hooks", exc)
         finally:
             self._finish()
-        return self.recording()
+        recording = self.recording()
+        self._release(recording)
+        return recording
+
+    def _release(self, recording: NanRecording) -> None:
+        """The watch is over and ``recording`` made: let go of the helpers its hooks called. Each points back
+        at the recorder (its ``ctx`` or ``host``, bound methods), so they formed reference cycles that only
+        the garbage collector freed: a few hundred objects per watch, and a collection every other watched
+        step of a small model (more time than the rest of the watch's start and stop). Let go of, they are
+        freed as soon as the watch is dropped. What the recording needs stays (the log, the clock, the table's
+        rows)."""
+        self._final = recording
+        self._notes = self.replayer.notes if self.replayer is not None else []
+        self._tracker = self.optim = self.replayer = self.deferred = None
+        self.backward_watch = self.keeper = self.boundaries = self.moves = None
+        del self.immediate, self.amp, self.verdicts, self.table
+        self._scope = HookScope()  # (its undo callbacks, run already, hold the recorder)
 
     def _resume_all(self) -> None:
         if self.boundaries is not None:

@@ -87,7 +87,8 @@ class BackwardWatch:
         self._node_handles: list[Any] = []  # this backward's node hooks (removed when it ends)
         self._absorbers: list[tuple[Any, Any]] = []  # (masking node in a model call, its region): from _plan
         self._wrapped: list[tuple[Any, int, WatchedHook]] = []  # (tensor weakref, handle id, wrapper)
-        self.calls = CallChecks(host, note, lambda: self.unwatched)
+        me = weakref.ref(self)  # (no reference cycle: the watch's helpers are freed with it, see NanRecorder._release)
+        self.calls = CallChecks(host, note, lambda: me().unwatched)  # type: ignore[union-attr]
 
     # -- the gate ------------------------------------------------------------------------------
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
