@@ -164,6 +164,7 @@ def _freed_at_once() -> Any:
         finally:
             gc.collect()
         return
+    gc.collect(1)  # the young garbage made before (the cell's): freed now, not promoted by unfreeze to the old heap
     gc.freeze()
     try:
         yield
