@@ -306,3 +306,34 @@ def test_split_pieces_are_well_formed_on_their_own() -> None:
         parser = Depth()
         parser.feed(piece)
         assert parser.depth == 0, piece
+
+
+def test_a_picture_is_freed_once_drawn_and_the_users_frozen_heap_stays_frozen() -> None:
+    """A figure is a web of reference cycles: png() frees it before returning (no pile of figures
+    waiting for a rare full collection), and only it: the heap is left unfrozen, or as frozen as the
+    user left it."""
+    import gc
+    import weakref
+
+    from torch_nbdebug.render.figures import png
+
+    drawn: list[weakref.ref[Any]] = []
+
+    def draw(fig: Any) -> None:
+        drawn.append(weakref.ref(fig))
+        fig.add_subplot().plot([1, 2, 3], [3, 1, 2])
+
+    for _ in range(3):
+        png(draw, 200, 100)
+        assert drawn[-1]() is None, "the figure outlived its picture"
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    kept = [[i] for i in range(1000)]  # a user's heap, frozen by the user (as a fork server does)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        png(draw, 200, 100)
+        assert drawn[-1]() is None
+        assert gc.get_freeze_count() > frozen - 100  # still frozen (less the few frozen objects freed meanwhile)
+    finally:
+        gc.unfreeze()
+    assert len(kept) == 1000

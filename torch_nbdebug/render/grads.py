@@ -104,6 +104,8 @@ def flow_png(trace: GradTrace, step: int, flags: tuple[Flag, ...]) -> bytes:
 
 
 def _draw_flow(fig: Any, trace: GradTrace, step: int, flags: tuple[Flag, ...]) -> None:
+    from torch_nbdebug.render.figures import log_axis
+
     table = layer_table(trace, step)
     mean, peak = np.asarray(table["mean_abs"], dtype=float), np.asarray(table["max_abs"], dtype=float)
     vals = np.concatenate([mean, peak])
@@ -119,7 +121,7 @@ def _draw_flow(fig: Any, trace: GradTrace, step: int, flags: tuple[Flag, ...]) -
            bottom=10.0 ** lo, label="max |g|")
     ax.bar(xs, np.where(np.isfinite(mean) & (mean > 0), mean, np.nan), width=0.8, color=colours,
            bottom=10.0 ** lo, label="mean |g|")
-    ax.set_yscale("log")
+    log_axis(ax)  # plain tick numbers: no mathtext parser to build on the first picture
     ax.set_ylim(10.0 ** lo, 10.0 ** hi)
     for i in range(n):
         if not (np.isfinite(mean[i]) and np.isfinite(peak[i])):  # nothing to draw: say why, in red
