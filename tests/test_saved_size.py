@@ -185,7 +185,10 @@ def _views() -> list[type]:
     found, todo = [], list(View.__subclasses__())
     while todo:
         cls = todo.pop()
-        found.append(cls)
+        # a view class states its module; ipywidgets' add_traits makes subclasses of an instance's class
+        # at run time whose `_esm` is a trait, not a module (they send their parent's)
+        if isinstance(cls.__dict__.get("_esm"), str):
+            found.append(cls)
         todo += cls.__subclasses__()
     return sorted(found, key=lambda cls: cls.__qualname__)
 
