@@ -41,9 +41,8 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,6 +51,9 @@ from models import GPT, lm_loss, training_step  # noqa: E402
 from timing import Pairs, clock, paired  # noqa: E402
 from torch_nbdebug.api.memory import memory_timeline  # noqa: E402
 from torch_nbdebug.record.compat import EagerDispatchMode, TorchDispatchMode  # noqa: E402
+# fd 2 to /dev/null for a block: the profiler's C++ logs (USDT start/stop, "Failed to recover
+# relationship...", "Memory block of unknown size...") would flood the benchmark's output
+from torch_nbdebug.record.profile import quiet_stderr as quiet_fd2  # noqa: E402
 
 
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor,
@@ -154,21 +156,6 @@ def memory_only_feed(step: Callable[[], None], read: bool) -> Any:
     if not read:
         return result
     return [(e.extra_fields.ptr, e.extra_fields.alloc_size, e.start_time_ns) for e in result.experimental_event_tree()]
-
-
-@contextmanager
-def quiet_fd2() -> Iterator[None]:
-    """fd 2 to /dev/null for the block: the profiler's C++ logs (USDT start/stop, "Failed to recover
-    relationship...", "Memory block of unknown size...") would flood the benchmark's output."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
 
 
 def quietly(fn: Callable[[], Any]) -> Callable[[], None]:

@@ -152,7 +152,7 @@ class ProfileRecorder:
             raise InputError("another torch.profiler is already running: end its `with` block (or call its "
                              "stop()) first; one profiler runs at a time")
         prof = profile(activities=activities, record_shapes=self.tidy, with_stack=self.tidy)
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.start()
         self.profiler, self._running = prof, True
 
@@ -172,7 +172,7 @@ class ProfileRecorder:
         self._sampler.stop()
         if self._ranges is not None:
             self._ranges.active = False
-        with _quiet_stderr():
+        with quiet_stderr():
             self.profiler.stop()
 
     def remove(self) -> None:
@@ -281,7 +281,7 @@ class ProfileRecorder:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Kineto logs "profiler_start" / "profiler_stop" lines on the process's fd 2 at each start and stop,
     which a notebook shows under the cell: fd 2 goes to /dev/null for those two calls only."""
     try:
