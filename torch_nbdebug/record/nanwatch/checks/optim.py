@@ -149,12 +149,11 @@ class OptimizerWatch:
         self.ctx.clock.stepped()
         try:
             self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
-            record = self._record(opt, deferred=self.deferred is not None)
-            params = [p for _, _, p in record.entries]
-            if record.grads is None:
-                groups, norms = norm_groups(params)
-                self._judge(record, groups, [v for vs in self.ctx.flush(norms) for v in vs])
+            if self.deferred is None:
+                self._judge_now(opt)
                 return
+            record = self._record(opt, deferred=True)
+            params = [p for _, _, p in record.entries]
             # The gradients' norms too: they may be gone (zero_grad) when the norms are read.
             grads = [g[0].alive() for g in record.grads if g is not None and g[1]]
             groups, norms = norm_groups(params + grads)  # type: ignore[operator]
@@ -170,8 +169,24 @@ class OptimizerWatch:
             self.active -= 1
             self._resume()
 
-    def _record(self, opt: torch.optim.Optimizer, deferred: bool) -> StepRecord:
+    def _judge_now(self, opt: torch.optim.Optimizer) -> None:
+        """The immediate path: the step's norms read at once. The usual step reads one value, the sum of
+        the norms (NaN/Inf propagate through it); only a non-finite sum reads each parameter's norm."""
         entries = _params(opt)
+        groups, norms = norm_groups([p for _, _, p in entries])
+        if len(norms) == 1:
+            total = self.ctx.flush([norms[0].sum()])
+            if total and math.isfinite(total[0][0]):
+                self.lrs.stepped(id(opt), [group.get("lr") for group in opt.param_groups], self.steps[id(opt)])
+                return
+            values = norms[0].tolist()
+        else:
+            values = [v for vs in self.ctx.flush(norms) for v in vs]
+        self._judge(self._record(opt, deferred=False, entries=entries), groups, values)
+
+    def _record(self, opt: torch.optim.Optimizer, deferred: bool,
+                entries: Optional[list[tuple[int, int, torch.Tensor]]] = None) -> StepRecord:
+        entries = _params(opt) if entries is None else entries
         grads: Optional[list[Optional[tuple[LiveRef, bool]]]] = None
         if deferred:
             grads = [_live(p.grad) for _, _, p in entries]
