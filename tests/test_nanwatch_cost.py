@@ -9,6 +9,7 @@ synchronisations the watch would add on a GPU.
 from __future__ import annotations
 
 import collections
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -184,6 +185,26 @@ def test_the_optimizer_check_is_one_batched_norm_and_nothing_per_parameter() -> 
     with OpCount(views=True) as mixed:
         groups, norms = norm_groups([params[0], wide])
     assert mixed.ops == {"_foreach_norm": 2, "stack": 2} and groups == [[0], [1]]
+
+
+def test_the_finite_steps_check_concatenates_the_1d_parameters_and_norms_the_others_in_one_kernel() -> None:
+    """The usual (finite) step reads one value: the 1-D parameters (biases, LayerNorm weights) summed in one
+    ``cat``, the others' norms in one ``_foreach_norm``: a fixed number of ops, none per parameter; a
+    non-finite parameter, 1-D or not, makes the total non-finite; several dtypes: None (a norm per group)."""
+    from torch_nbdebug.record.nanwatch.checks.optim import finite_total
+
+    model, _ = small_gpt_step()
+    params = list(model.parameters())
+    assert any(p.dim() == 1 for p in params) and any(p.dim() != 1 for p in params)
+    with OpCount(views=True) as counted:
+        total = finite_total(params)
+    assert counted.ops == {"cat": 1, "sum": 2, "_foreach_norm": 1, "stack": 1, "add": 1}
+    assert total is not None and math.isfinite(float(total))
+    for bad in (next(p for p in params if p.dim() == 1), next(p for p in params if p.dim() != 1)):
+        copies = [p.detach().clone() for p in params]
+        copies[[id(p) for p in params].index(id(bad))].view(-1)[0] = float("inf")
+        assert not math.isfinite(float(finite_total(copies)))  # type: ignore[arg-type]
+    assert finite_total([params[0], params[1].detach().double()]) is None
 
 
 def test_a_watched_backward_lists_the_weights_without_module_parameters(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from torch_nbdebug.errors import NanBirthError
 from torch_nbdebug.record import compat
 from torch_nbdebug.record.modules import module_roots, parameter_names
 from torch_nbdebug.record.nanwatch.context import WatchContext
-from torch_nbdebug.record.nanwatch.core.ops import any_nonfinite, checkable
+from torch_nbdebug.record.nanwatch.core.ops import any_nonfinite, checkable, propagating_sum
 from torch_nbdebug.record.nanwatch.core.events import Place, Shape, here, make_event
 from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.data.stats import TensorStats
@@ -63,12 +63,31 @@ def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def nonfinite_norms(tensors: list[torch.Tensor]) -> Optional[list[float]]:
-    """None when every tensor of ``tensors`` is finite (the usual case: one batched norm, one value read);
-    else each tensor's L2 norm, in order (NaN/Inf where it is not finite)."""
-    groups, norms = norm_groups(tensors)
-    if len(norms) == 1 and math.isfinite(float(norms[0].sum())):
+def finite_total(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 0-d tensor, not read, that is finite only when every tensor of ``tensors`` is (NaN/Inf propagate
+    through sums and norms; a total that overflowed on finite values is judged again by the caller, tensor by
+    tensor): the 1-D tensors (biases, a norm layer's weights: most of a model's parameters, each a few
+    hundred values) concatenated and summed in one kernel, the others' L2 norms in one foreach kernel (it
+    costs ~2 us a tensor on CPU, as much as reading a small tensor's values). None when the tensors are not
+    of one device and dtype (the caller reads a norm per group, :func:`norm_groups`)."""
+    if not tensors or len(_by_device_and_dtype(tensors)) != 1:
         return None
+    flat = [t for t in tensors if t.dim() == 1]
+    rest = [t for t in tensors if t.dim() != 1] if flat else tensors
+    with torch.no_grad():  # (no graph: the parameters need no detach)
+        parts = [propagating_sum(torch.cat(flat))] if flat else []  # (half types summed in float32)
+        if rest:
+            parts.append(propagating_sum(torch.stack(compat.foreach_norm(rest, 2))))
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def nonfinite_norms(tensors: list[torch.Tensor]) -> Optional[list[float]]:
+    """None when every tensor of ``tensors`` is finite (the usual case: one batched check, one value read,
+    :func:`finite_total`); else each tensor's L2 norm, in order (NaN/Inf where it is not finite)."""
+    total = finite_total(tensors)
+    if total is not None and math.isfinite(float(total)):
+        return None
+    groups, norms = norm_groups(tensors)
     return by_tensor(groups, [v for n in norms for v in n.tolist()])
 
 
@@ -155,7 +174,7 @@ class OptimizerWatch:
             record = self._record(opt, deferred=True)
             params = [p for _, _, p in record.entries]
             # The gradients' norms too: they may be gone (zero_grad) when the norms are read.
-            grads = [g[0].alive() for g in record.grads if g is not None and g[1]]
+            grads = [g[0].alive() for g in record.grads or () if g is not None and g[1]]
             groups, norms = norm_groups(params + grads)  # type: ignore[operator]
             if self.deferred is not None and len({n.device for n in norms}) == 1:
                 self.deferred.queue_step(torch.cat(norms), functools.partial(self._judge, record, groups))
@@ -170,18 +189,18 @@ class OptimizerWatch:
             self._resume()
 
     def _judge_now(self, opt: torch.optim.Optimizer) -> None:
-        """The immediate path: the step's norms read at once. The usual step reads one value, the sum of
-        the norms (NaN/Inf propagate through it); only a non-finite sum reads each parameter's norm."""
+        """The immediate path: the step's parameters checked at once. The usual step reads one value
+        (:func:`finite_total`); only a non-finite one reads each parameter's norm."""
         entries = _params(opt)
-        groups, norms = norm_groups([p for _, _, p in entries])
-        if len(norms) == 1:
-            total = self.ctx.flush([norms[0].sum()])
-            if total and math.isfinite(total[0][0]):
+        params = [p for _, _, p in entries]
+        total = finite_total(params)
+        if total is not None:
+            read = self.ctx.flush([total])
+            if read and math.isfinite(read[0][0]):
                 self.lrs.stepped(id(opt), [group.get("lr") for group in opt.param_groups], self.steps[id(opt)])
                 return
-            values = norms[0].tolist()
-        else:
-            values = [v for vs in self.ctx.flush(norms) for v in vs]
+        groups, norms = norm_groups(params)
+        values = [v for vs in (self.ctx.flush(norms) if total is None else [n.tolist() for n in norms]) for v in vs]
         self._judge(self._record(opt, deferred=False, entries=entries), groups, values)
 
     def _record(self, opt: torch.optim.Optimizer, deferred: bool,
