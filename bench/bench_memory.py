@@ -33,10 +33,14 @@ mode's own cost before any bookkeeping, module hooks or timeline, and without an
 allocation (what the timeline and its tests name).
 
 The last row is the route issue 27 proposed: the profiler's op events with its memory feed, each
-allocation read with the op event around it (its parent in the event tree). On the 2-layer GPT the raw
-feed with op events alone costs 2.9-3.0x (above the target of the no-op mode + 0.5x) and reading the
-allocations with their op 4.5-4.9x, more than memory_timeline itself, still without the source line,
-output shape, dtype and op overload (``mm.default``) that the timeline names per allocation.
+allocation read with the innermost op event whose time range encloses it. On the 2-layer GPT the raw
+feed with op events alone costs 2.7-3.0x (above the target of the no-op mode + 0.5x) and reading the
+allocations with their op 4.5-5.0x, more than memory_timeline itself, still without the source line,
+output shape, dtype and op overload (``mm.default``) that the timeline names per allocation. Nor does it
+give the same timeline: per step the allocator reports 431 allocations where the recorder sees 192 new
+storages (kernels' own buffers), the innermost op around them is mostly the factory inside the op
+(``aten::empty_strided``, ``aten::empty``: 173 of 431) or only ``Optimizer.step#Adam.step`` (116): the
+bytes, the peak and its op would be another timeline's.
 The profiler's C++ log lines on fd 2 are silenced around the floor rows (bench output only).
 """
 from __future__ import annotations
@@ -165,18 +169,33 @@ def memory_only_feed(step: Callable[[], None], read: bool) -> Any:
 
 
 def op_memory_feed(step: Callable[[], None]) -> list[tuple[int, int, int, str]]:
-    """The profiler route of issue 27: op events and the allocator's, then each allocation read with
-    its address, bytes, time and the op that made it (the innermost op event around it: its parent in
-    the profiler's event tree). Still no source line, output shape, dtype or op overload per allocation."""
-    found: list[tuple[int, int, int, str]] = []
+    """The profiler route of issue 27: op events and the allocator's, then each allocation and free read
+    with its address, bytes and time, and the op that made it: the innermost op event whose time range
+    encloses it (allocation events are roots of the profiler's event tree here, with no parent op).
+    Still no source line, output shape, dtype or op overload per allocation."""
+    ops: list[tuple[int, int, str]] = []
+    memory: list[tuple[int, int, int]] = []
     stack = list(profiler_feed(step).experimental_event_tree())
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag.name == "Allocation":
-            parent = event.parent
-            found.append((event.extra_fields.ptr, event.extra_fields.alloc_size, event.start_time_ns,
-                          parent.name if parent is not None else ""))
+            memory.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+        elif event.tag.name == "TorchOp":
+            ops.append((event.start_time_ns, event.end_time_ns, event.name))
+    ops.sort(key=lambda op: (op[0], -op[1]))
+    found: list[tuple[int, int, int, str]] = []
+    open_ops: list[tuple[int, int, str]] = []  # nested ranges enclosing the current time, innermost last
+    next_op = 0
+    for time_ns, ptr, size in sorted(memory):
+        while next_op < len(ops) and ops[next_op][0] <= time_ns:
+            while open_ops and open_ops[-1][1] < ops[next_op][0]:
+                open_ops.pop()
+            open_ops.append(ops[next_op])
+            next_op += 1
+        while open_ops and open_ops[-1][1] < time_ns:
+            open_ops.pop()
+        found.append((ptr, size, time_ns, open_ops[-1][2] if open_ops else ""))
     return found
 
 
