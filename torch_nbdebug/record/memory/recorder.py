@@ -21,7 +21,11 @@ found with the garbage collector and counted from the start.
 Cost (issue 11): on CPU nothing but a dispatch mode reports every allocation with its op and shape
 (no allocator history or hooks; the profiler's own memory feed costs more than the mode), so the
 mode is the floor, and the Python per op is kept to a dictionary lookup when the op allocates
-nothing new (views and in-place ops of known storages). ``bench/bench_memory.py --floors`` measures both.
+nothing new (views and in-place ops of known storages). ``bench/bench_memory.py --floors`` measures both,
+and (issue 27) the profiler's op events with its memory feed, each allocation read with the op around it:
+on the small model that costs more than this recorder, and the allocator's allocations (kernels' own
+buffers included, the op around them mostly a factory such as ``empty_strided``) are not the storages
+the timeline counts, so its bytes, peak and op would differ.
 """
 from __future__ import annotations
 
