@@ -94,6 +94,17 @@ def test_views_and_inplace_ops_of_known_storages_cost_a_lookup() -> None:
     assert "input_storage_keys" in unseen_inplace and "_track" in unseen_inplace  # adopted as pre-existing
 
 
+def test_an_ops_schema_is_read_once_per_process_not_per_recording() -> None:
+    """Which ops may return an input's storage is read from the op's schema the first time a recording
+    meets the op; later recordings (one per cell) reuse the answer and still tell a view from a new storage."""
+    base = torch.ones(1000)
+    for _ in range(2):
+        with memory_timeline({"base": base}, device="cpu") as tl:
+            calls = _our_calls(lambda: base.unsqueeze(0).sum())
+        assert [(a.op, a.nbytes) for a in tl.allocations if a.start >= 0] == [("sum.default", 4)]
+    assert "op_output_aliases_input" not in calls  # the second recording asked no schema
+
+
 def test_the_recorders_mode_runs_without_dynamos_per_op_wrapper() -> None:
     # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless told not to: two more
     # Python frames per op. The recorder's own function must be what the dispatcher calls.
