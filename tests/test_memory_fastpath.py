@@ -105,6 +105,23 @@ def test_an_ops_schema_is_read_once_per_process_not_per_recording() -> None:
     assert "op_output_aliases_input" not in calls  # the second recording asked no schema
 
 
+def test_training_state_keys_name_every_parameter_gradient_and_state_once() -> None:
+    """A parameter the optimizer marked is not read again through its module, and one only a module
+    holds (a frozen layer outside the optimizer) is still marked, with its gradient."""
+    from torch_nbdebug.record.memory.holders import persistent_keys
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model[0].parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    kinds = persistent_keys(list(model.modules()), [opt])
+    expected = {storage_key(v): "optimizer_state" for s in opt.state.values() for v in s.values()}
+    for p in model.parameters():
+        expected[storage_key(p)] = "parameters"
+        expected[storage_key(p.grad)] = "gradients"
+    assert kinds == expected and len(kinds) == 3 * 2 + 4 + 4
+
+
 def test_the_recorders_mode_runs_without_dynamos_per_op_wrapper() -> None:
     # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless told not to: two more
     # Python frames per op. The recorder's own function must be what the dispatcher calls.
