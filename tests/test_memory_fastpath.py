@@ -168,6 +168,20 @@ def test_the_start_walk_finds_the_same_tensors_without_names() -> None:
     assert unnamed.names[exp_avg] == "opt.state[param0]['exp_avg']"  # by index: names are not needed at the start
 
 
+def test_a_modules_own_attributes_holding_tensors_are_named_past_its_plain_settings() -> None:
+    """The walk skips a module's ints, floats and strings before naming them; what they sit next to
+    (a tensor, a list of tensors, a tuple setting with a tensor in it) is still found and named."""
+    layer = nn.Linear(4, 4)
+    layer.cache = torch.ones(3)
+    layer.history = [torch.zeros(2), 7, "note"]
+    layer.limits = (0.5, torch.full((2,), 2.0))
+    layer.scale, layer.tag, layer.on = 2.0, "x", True
+    holders = find_holders({"model": nn.Sequential(layer)})
+    names = {holders.names[storage_key(t)] for t in (layer.cache, layer.history[0], layer.limits[1])}
+    assert names == {"model.0.cache", "model.0.history[0]", "model.0.limits[1]"}
+    assert len(holders.names) == 2 + 3  # weight, bias and the three tensors
+
+
 def test_event_times_count_from_the_start_of_recording() -> None:
     """Times are kept raw while recording and made relative once at the end: every event lies between
     the start and the end of the block, in order."""

@@ -230,8 +230,10 @@ def _module_children(name: str, module: nn.Module) -> Iterator[tuple[str, Any]]:
     for sub_name, sub in user_named_modules(module):
         prefix = f"{name}.{sub_name}" if sub_name else name
         yield from ((f"{prefix}.{k}", v) for k, v in buffer_registry(sub).items() if v is not None)
+        # Atoms (a Linear's ``in_features``, most of a module's attributes) hold no tensor: skipped here,
+        # before a name is built for each, as lists and dicts skip theirs in ``_children``.
         yield from ((f"{prefix}.{k}", v) for k, v in vars(sub).items()
-                    if type(k) is str and not k.startswith("_") and k != "training")
+                    if type(v) not in _ATOM_TYPES and type(k) is str and not k.startswith("_") and k != "training")
 
 
 def _instance_dict(obj: Any, cls: type) -> Optional[dict[str, Any]]:
