@@ -31,6 +31,16 @@ with its allocation) costs more again in Python. Its two rows time start + stop,
 read: on the 2-layer GPT (about 950 allocator events per step) 1.4-1.6x and 1.8-2.1x, about the no-op
 mode's own cost before any bookkeeping, module hooks or timeline, and without an op, shape or dtype per
 allocation (what the timeline and its tests name).
+
+The last row is the route issue 27 proposed: the profiler's op events with its memory feed, each
+allocation read with the innermost op event whose time range encloses it. On the 2-layer GPT the raw
+feed with op events alone costs 2.7-3.0x (above the target of the no-op mode + 0.5x) and reading the
+allocations with their op 4.5-5.0x, more than memory_timeline itself, still without the source line,
+output shape, dtype and op overload (``mm.default``) that the timeline names per allocation. Nor does it
+give the same timeline: per step the allocator reports 431 allocations where the recorder sees 192 new
+storages (kernels' own buffers), the innermost op around them is mostly the factory inside the op
+(``aten::empty_strided``, ``aten::empty``: 173 of 431) or only ``Optimizer.step#Adam.step`` (116): the
+bytes, the peak and its op would be another timeline's.
 The profiler's C++ log lines on fd 2 are silenced around the floor rows (bench output only).
 """
 from __future__ import annotations
@@ -158,6 +168,37 @@ def memory_only_feed(step: Callable[[], None], read: bool) -> Any:
     return [(e.extra_fields.ptr, e.extra_fields.alloc_size, e.start_time_ns) for e in result.experimental_event_tree()]
 
 
+def op_memory_feed(step: Callable[[], None]) -> list[tuple[int, int, int, str]]:
+    """The profiler route of issue 27: op events and the allocator's, then each allocation and free read
+    with its address, bytes and time, and the op that made it: the innermost op event whose time range
+    encloses it (allocation events are roots of the profiler's event tree here, with no parent op).
+    Still no source line, output shape, dtype or op overload per allocation."""
+    ops: list[tuple[int, int, str]] = []
+    memory: list[tuple[int, int, int]] = []
+    stack = list(profiler_feed(step).experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag.name == "Allocation":
+            memory.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+        elif event.tag.name == "TorchOp":
+            ops.append((event.start_time_ns, event.end_time_ns, event.name))
+    ops.sort(key=lambda op: (op[0], -op[1]))
+    found: list[tuple[int, int, int, str]] = []
+    open_ops: list[tuple[int, int, str]] = []  # nested ranges enclosing the current time, innermost last
+    next_op = 0
+    for time_ns, ptr, size in sorted(memory):
+        while next_op < len(ops) and ops[next_op][0] <= time_ns:
+            while open_ops and open_ops[-1][1] < ops[next_op][0]:
+                open_ops.pop()
+            open_ops.append(ops[next_op])
+            next_op += 1
+        while open_ops and open_ops[-1][1] < time_ns:
+            open_ops.pop()
+        found.append((ptr, size, time_ns, open_ops[-1][2] if open_ops else ""))
+    return found
+
+
 def quietly(fn: Callable[[], Any]) -> Callable[[], None]:
     """``fn`` with fd 2 silenced while it runs (see ``quiet_fd2``)."""
     def run() -> None:
@@ -182,8 +223,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler comparison")
     parser.add_argument("--floors", action="store_true",
-                        help="also time a no-op dispatch mode (with/without dynamo's wrapper), the raw profiler memory feed "
-                             "and the memory-only feed (no op events) with and without reading its events")
+                        help="also time a no-op dispatch mode (with/without dynamo's wrapper), the raw profiler memory feed, "
+                             "the memory-only feed (no op events) with and without reading its events, and the "
+                             "op + memory feed read with each allocation's op")
     parser.add_argument("--lines-cost", action="store_true",
                         help="also time memory_timeline(record_lines=False): the cost of naming source lines")
     args = parser.parse_args()
@@ -224,6 +266,7 @@ def measure(args: argparse.Namespace, label: str, model: torch.nn.Module, vocab:
               "profiler memory feed, raw": quietly(lambda: profiler_feed(step)),
               "memory-only feed (no op events)": quietly(lambda: memory_only_feed(step, read=False)),
               "memory-only feed + read events": quietly(lambda: memory_only_feed(step, read=True)),
+              "op + memory feed + read, op per alloc": quietly(lambda: op_memory_feed(step)),
               } if args.floors else {})
     variants: dict[str, Callable[[], Any]] = {"memory_timeline": lambda: recorded(step, ns, phases=phases)}
     if args.lines_cost:

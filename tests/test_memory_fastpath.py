@@ -94,6 +94,34 @@ def test_views_and_inplace_ops_of_known_storages_cost_a_lookup() -> None:
     assert "input_storage_keys" in unseen_inplace and "_track" in unseen_inplace  # adopted as pre-existing
 
 
+def test_an_ops_schema_is_read_once_per_process_not_per_recording() -> None:
+    """Which ops may return an input's storage is read from the op's schema the first time a recording
+    meets the op; later recordings (one per cell) reuse the answer and still tell a view from a new storage."""
+    base = torch.ones(1000)
+    for _ in range(2):
+        with memory_timeline({"base": base}, device="cpu") as tl:
+            calls = _our_calls(lambda: base.unsqueeze(0).sum())
+        assert [(a.op, a.nbytes) for a in tl.allocations if a.start >= 0] == [("sum.default", 4)]
+    assert "op_output_aliases_input" not in calls  # the second recording asked no schema
+
+
+def test_training_state_keys_name_every_parameter_gradient_and_state_once() -> None:
+    """A parameter the optimizer marked is not read again through its module, and one only a module
+    holds (a frozen layer outside the optimizer) is still marked, with its gradient."""
+    from torch_nbdebug.record.memory.holders import persistent_keys
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model[0].parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    kinds = persistent_keys(list(model.modules()), [opt])
+    expected = {storage_key(v): "optimizer_state" for s in opt.state.values() for v in s.values()}
+    for p in model.parameters():
+        expected[storage_key(p)] = "parameters"
+        expected[storage_key(p.grad)] = "gradients"
+    assert kinds == expected and len(kinds) == 3 * 2 + 4 + 4
+
+
 def test_the_recorders_mode_runs_without_dynamos_per_op_wrapper() -> None:
     # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless told not to: two more
     # Python frames per op. The recorder's own function must be what the dispatcher calls.
@@ -138,6 +166,20 @@ def test_the_start_walk_finds_the_same_tensors_without_names() -> None:
     exp_avg = storage_key(opt.state[model[0].weight]["exp_avg"])
     assert named.names[exp_avg] == "opt.state[model.0.weight]['exp_avg']"
     assert unnamed.names[exp_avg] == "opt.state[param0]['exp_avg']"  # by index: names are not needed at the start
+
+
+def test_a_modules_own_attributes_holding_tensors_are_named_past_its_plain_settings() -> None:
+    """The walk skips a module's ints, floats and strings before naming them; what they sit next to
+    (a tensor, a list of tensors, a tuple setting with a tensor in it) is still found and named."""
+    layer = nn.Linear(4, 4)
+    layer.cache = torch.ones(3)
+    layer.history = [torch.zeros(2), 7, "note"]
+    layer.limits = (0.5, torch.full((2,), 2.0))
+    layer.scale, layer.tag, layer.on = 2.0, "x", True
+    holders = find_holders({"model": nn.Sequential(layer)})
+    names = {holders.names[storage_key(t)] for t in (layer.cache, layer.history[0], layer.limits[1])}
+    assert names == {"model.0.cache", "model.0.history[0]", "model.0.limits[1]"}
+    assert len(holders.names) == 2 + 3  # weight, bias and the three tensors
 
 
 def test_event_times_count_from_the_start_of_recording() -> None:

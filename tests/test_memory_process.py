@@ -42,6 +42,31 @@ def test_series_peak_and_totals_from_hand_built_events() -> None:
     assert category_series(allocs, rec.events).shape == (6, len(CATEGORIES))
 
 
+def test_category_totals_are_the_sums_over_allocations() -> None:
+    """The totals come from arrays shared with the series: each equals its definition row by row, and
+    the series is what the allocations alive at each sample add up to (the samples users read)."""
+    rng = np.random.default_rng(0)
+    allocs, events = [], []
+    for i in range(200):
+        start = -1 if i < 20 else len(events)
+        if start >= 0:
+            events.append(i)
+        end = len(events) if rng.random() < 0.6 else None
+        if end is not None:
+            events.append(-(i + 1))
+        allocs.append(alloc(i, int(rng.integers(1, 10**9)) * 1000, CATEGORIES[int(rng.integers(len(CATEGORIES)))],
+                            start, end))
+    tl = build_timeline(recording(allocs, events))
+    for c, name in enumerate(CATEGORIES):
+        mine = [a for a in allocs if a.category == name]
+        alive = [[a.nbytes for a in mine if a.alive_at(s)] for s in range(len(tl.steps))]
+        assert tl.by_category[:, c].tolist() == [sum(x) for x in alive]
+        assert tl.category_totals[name] == {
+            "start": sum(alive[0]), "peak": sum(alive[tl.peak_step]), "max": max(sum(x) for x in alive),
+            "final": sum(alive[-1]), "allocated": sum(a.nbytes for a in mine if a.start >= 0)}
+        assert all(type(v) is int for v in tl.category_totals[name].values())
+
+
 def test_leaks_grouped_by_container_with_graph_and_saved_activations() -> None:
     allocs = [alloc(i, 4, "other", i, holder=f"losses[{i}]", has_graph=True, line=LINE) for i in range(3)]
     allocs += [alloc(3, 400, "activations", 3), alloc(4, 8, "other", 4, holder="x"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from operator import attrgetter
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -22,8 +22,13 @@ _IN_CONTAINER = re.compile(r"^(\w+)\[")
 
 
 def build_timeline(rec: MemoryRecording, *, top: int = 10) -> MemoryTimeline:
-    """Turn a recording into a :class:`MemoryTimeline` (series, peak, totals, phases, leaks)."""
-    by_category = category_series(rec.allocations, rec.events)
+    """Turn a recording into a :class:`MemoryTimeline` (series, peak, totals, phases, leaks).
+
+    Each numeric field of the allocations is read into an array once and shared by the series, the
+    peak's allocations and the totals (reading a field of every row costs more than the arithmetic)."""
+    spans = allocation_spans(rec.allocations)
+    columns = _Columns(spans[0], spans[2], _category_indices(rec.allocations))
+    by_category = category_series(rec.allocations, rec.events, columns)
     totals = by_category.sum(axis=1)
     peak_step = int(np.argmax(totals)) if len(totals) else 0
     steps = np.arange(len(totals), dtype=np.int64)
@@ -33,24 +38,38 @@ def build_timeline(rec: MemoryRecording, *, top: int = 10) -> MemoryTimeline:
         device=rec.device, note=rec.note, steps=steps, time_s=time_s, by_category=by_category,
         reserved=rec.reserved, start_bytes=int(totals[0]), final_bytes=int(totals[-1]),
         peak_bytes=int(totals[peak_step]), peak_step=peak_step,
-        peak_allocations=alive_at(rec.allocations, peak_step, top),
-        category_totals=category_totals(rec.allocations, by_category, peak_step),
+        peak_allocations=alive_at(rec.allocations, peak_step, top, spans),
+        category_totals=category_totals(rec.allocations, by_category, peak_step, columns),
         phases=phase_spans(rec.event_phase, rec.iteration_starts),
         iterations=len(rec.iteration_starts),
         leaks=leaks, allocations=rec.allocations, duration_s=rec.duration_s, snapshot=rec.snapshot,
         allocator=dict(rec.allocator))
 
 
-def category_series(allocations: Sequence[Allocation], events: np.ndarray) -> np.ndarray:
+class _Columns(NamedTuple):
+    """Fields of every allocation as arrays, in allocation order: start, bytes, category index."""
+
+    start: np.ndarray
+    nbytes: np.ndarray
+    category: np.ndarray
+
+
+def _columns(allocations: Sequence[Allocation]) -> _Columns:
+    return _Columns(_ints(allocations, "start"), _ints(allocations, "nbytes"), _category_indices(allocations))
+
+
+def category_series(allocations: Sequence[Allocation], events: np.ndarray,
+                    columns: Optional[_Columns] = None) -> np.ndarray:
     """Live bytes per category after each event: shape ``(len(events) + 1, len(CATEGORIES))``.
 
     ``events[i] >= 0`` allocates allocation ``events[i]``; ``-(id + 1)`` frees it. Row 0 holds
-    the allocations alive before recording (``start == -1``).
+    the allocations alive before recording (``start == -1``). ``columns``: the allocations' fields
+    already read (``build_timeline`` shares them).
     """
     n_cat = len(CATEGORIES)
-    nbytes, cats = _ints(allocations, "nbytes"), _category_indices(allocations)
+    starts, nbytes, cats = columns if columns is not None else _columns(allocations)
     out = np.zeros((len(events) + 1, n_cat), dtype=np.int64)
-    before = _ints(allocations, "start") < 0
+    before = starts < 0
     np.add.at(out[0], cats[before], nbytes[before])  # row 0: what was alive before recording
     if len(events):
         ids = np.where(events >= 0, events, -events - 1)
@@ -90,15 +109,15 @@ def alive_at(allocations: Sequence[Allocation], sample: int, top: Optional[int] 
 
 
 def category_totals(allocations: Sequence[Allocation], by_category: np.ndarray,
-                    peak_step: int) -> dict[str, dict[str, int]]:
+                    peak_step: int, columns: Optional[_Columns] = None) -> dict[str, dict[str, int]]:
     """Per category: bytes at start, at the peak, the maximum, at the end, and allocated in total."""
-    allocated: Counter[str] = Counter()
-    for a in allocations:
-        if a.start >= 0:
-            allocated[a.category] += a.nbytes
-    return {c: {"start": int(by_category[0, i]), "peak": int(by_category[peak_step, i]),
-                "max": int(by_category[:, i].max()), "final": int(by_category[-1, i]),
-                "allocated": int(allocated[c])}
+    starts, nbytes, cats = columns if columns is not None else _columns(allocations)
+    allocated = np.zeros(len(CATEGORIES), dtype=np.int64)
+    made = starts >= 0
+    np.add.at(allocated, cats[made], nbytes[made])
+    start, peak, most, final = (row.tolist() for row in (by_category[0], by_category[peak_step],
+                                                         by_category.max(axis=0), by_category[-1]))
+    return {c: {"start": start[i], "peak": peak[i], "max": most[i], "final": final[i], "allocated": int(allocated[i])}
             for i, c in enumerate(CATEGORIES)}
 
 

@@ -230,8 +230,10 @@ def _module_children(name: str, module: nn.Module) -> Iterator[tuple[str, Any]]:
     for sub_name, sub in user_named_modules(module):
         prefix = f"{name}.{sub_name}" if sub_name else name
         yield from ((f"{prefix}.{k}", v) for k, v in buffer_registry(sub).items() if v is not None)
+        # Atoms (a Linear's ``in_features``, most of a module's attributes) hold no tensor: skipped here,
+        # before a name is built for each, as lists and dicts skip theirs in ``_children``.
         yield from ((f"{prefix}.{k}", v) for k, v in vars(sub).items()
-                    if type(k) is str and not k.startswith("_") and k != "training")
+                    if type(v) not in _ATOM_TYPES and type(k) is str and not k.startswith("_") and k != "training")
 
 
 def _instance_dict(obj: Any, cls: type) -> Optional[dict[str, Any]]:
@@ -306,24 +308,30 @@ def _kind(cls: type, obj: Any) -> int:
 
 
 def persistent_keys(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
-    """Storage key -> 'parameters' / 'gradients' / 'optimizer_state' for the training state."""
+    """Storage key -> 'parameters' / 'gradients' / 'optimizer_state' for the training state.
+
+    The first kind found for a storage wins: optimizer state, then each optimizer's parameters and
+    their gradients, then the modules' parameters. A parameter an optimizer already marked is not read
+    again through its module (the same tensor: its keys are already in); a model with its optimizer,
+    read at the start and the end of every recording, costs one pass over its parameters."""
     kinds: dict[int, str] = {}
+    seen: set[int] = set()  # ids of the parameters marked through an optimizer
     for opt in optimizers:
         try:
-            _mark_optimizer(kinds, opt)
+            _mark_optimizer(kinds, opt, seen)
         except Exception:  # noqa: BLE001 - a user's optimizer subclass we cannot read
             continue
     for module in modules:
         try:
             for param in list(vars(module).get("_parameters", {}).values()):
-                if issubclass(type(param), torch.Tensor):
+                if id(param) not in seen and issubclass(type(param), torch.Tensor):
                     _mark_param(kinds, param)
         except Exception:  # noqa: BLE001 - a user's module subclass we cannot read
             continue
     return kinds
 
 
-def _mark_optimizer(kinds: dict[int, str], opt: torch.optim.Optimizer) -> None:
+def _mark_optimizer(kinds: dict[int, str], opt: torch.optim.Optimizer, seen: set[int]) -> None:
     for state in list(opt.state.values()):
         for value in list(state.values()):
             if issubclass(type(value), torch.Tensor):
@@ -331,14 +339,16 @@ def _mark_optimizer(kinds: dict[int, str], opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for param in group["params"]:
             _mark_param(kinds, param)
+            seen.add(id(param))
 
 
 def _mark_param(kinds: dict[int, str], param: torch.Tensor) -> None:
     _mark(kinds, storage_key(param), "parameters")
-    if param.grad is not None:
-        _mark(kinds, storage_key(param.grad), "gradients")
+    grad = param.grad
+    if grad is not None:
+        _mark(kinds, storage_key(grad), "gradients")
 
 
 def _mark(kinds: dict[int, str], key: Optional[int], kind: str) -> None:
-    if key is not None:
-        kinds.setdefault(key, kind)
+    if key is not None and key not in kinds:
+        kinds[key] = kind

@@ -21,7 +21,11 @@ found with the garbage collector and counted from the start.
 Cost (issue 11): on CPU nothing but a dispatch mode reports every allocation with its op and shape
 (no allocator history or hooks; the profiler's own memory feed costs more than the mode), so the
 mode is the floor, and the Python per op is kept to a dictionary lookup when the op allocates
-nothing new (views and in-place ops of known storages). ``bench/bench_memory.py --floors`` measures both.
+nothing new (views and in-place ops of known storages). ``bench/bench_memory.py --floors`` measures both,
+and (issue 27) the profiler's op events with its memory feed, each allocation read with the op around it:
+on the small model that costs more than this recorder, and the allocator's allocations (kernels' own
+buffers included, the op around them mostly a factory such as ``empty_strided``) are not the storages
+the timeline counts, so its bytes, peak and op would differ.
 """
 from __future__ import annotations
 
@@ -55,6 +59,9 @@ IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
 _CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 _NO_KEYS: frozenset[Optional[int]] = frozenset()
 _now = time.perf_counter_ns  # event times are kept raw and made relative to the start once, at the end
+# id(op) -> (op, may an output share an input's storage): read from the op's schema once per process
+# (an op's schema never changes; the op is kept with its answer, so the id stays its own).
+_ALIASING: dict[int, tuple[Any, bool]] = {}
 
 
 class _StorageRef(weakref.ref):
@@ -113,7 +120,8 @@ class MemoryRecorder:
         self.recording: Optional[MemoryRecording] = None
         self._records: list[_Record] = []
         self._live: dict[int, int] = {}  # storage key -> allocation id
-        self._log: list[int] = []  # (event code, time ns, phase) flattened: see _event
+        self._log: list[int] = []  # (event code, time ns, phase) flattened, one extend per event (a Stop
+        # cannot leave an event without its time or phase): written by _track and _on_free
         self._iterations: list[int] = []
         self._iteration_modules: set[int] = set()  # top-level modules called in the current iteration
         self._trained = False  # a backward or optimizer step ran: they, not repeated calls, mark iterations
@@ -123,7 +131,6 @@ class MemoryRecorder:
         self._forward_pending = False  # graph-building forward allocations not yet classified
         self._last_phase = IDLE
         self._line_cache: dict[tuple[str, int, str], SourceLine] = {}
-        self._aliasing: dict[int, tuple[Any, bool]] = {}  # id(op) -> (op, may an output share an input's storage)
         self._device_names: dict[int, str] = {}  # tensor.get_device() -> "cpu", "cuda:0"...
         self._on_device = on_device_test(device_type)
         self._scope = HookScope()
@@ -252,10 +259,10 @@ class MemoryRecorder:
 
     def _input_keys(self, func: Any, args: Any, kwargs: Any) -> AbstractSet[Optional[int]]:
         """The storages of the op's inputs when an output may share one (per its schema), else none."""
-        # Keyed by id (an OpOverload hashes in Python); the op is kept with its answer, so the id is its own.
-        entry = self._aliasing.get(id(func))
+        # Keyed by id (an OpOverload hashes in Python); shared by every recorder (see _ALIASING).
+        entry = _ALIASING.get(id(func))
         if entry is None:
-            entry = self._aliasing[id(func)] = (func, op_output_aliases_input(func))
+            entry = _ALIASING[id(func)] = (func, op_output_aliases_input(func))
         return input_storage_keys((args, kwargs)) if entry[1] else _NO_KEYS
 
     def _track(self, tensor: torch.Tensor, key: int, category: int, phase: int, op: str,
@@ -266,15 +273,18 @@ class MemoryRecorder:
         records = self._records
         alloc_id = len(records)
         dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
-        device = self._device_names.get(tensor.get_device()) or self._device_names.setdefault(
-            tensor.get_device(), str(tensor.device))
+        index = tensor.get_device()
+        device = self._device_names.get(index) or self._device_names.setdefault(index, str(tensor.device))
         record = _Record(storage.nbytes(), tuple(tensor.shape), dtype, category, phase, module, line, op, device,
                          -1 if start is None else start, key, storage.data_ptr())
         # One change at a time, in an order that a Stop landing between any two leaves consistent:
         # no event names a missing record, no free callback a record without its allocation.
         records.append(record)
         if start is None:
-            record.start = self._event(alloc_id, phase)
+            log = self._log
+            log.extend((alloc_id, _now(), phase))
+            self._last_phase = phase
+            record.start = len(log) // 3 - 1
         ref = _StorageRef(storage, self._free_callback)
         ref.alloc_id = alloc_id
         record.ref = ref
@@ -287,16 +297,11 @@ class MemoryRecorder:
         record = self._records[ref.alloc_id]
         if self._live.get(record.key) != ref.alloc_id:
             return
-        record.end = self._event(-(ref.alloc_id + 1), self._last_phase)
+        log = self._log  # the phase stays the last event's
+        log.extend((-(ref.alloc_id + 1), _now(), self._last_phase))
+        record.end = len(log) // 3 - 1
         del self._live[record.key]
         record.ref = None
-
-    def _event(self, code: int, phase: int) -> int:
-        # One extend of a flat list: a Stop cannot leave an event without its time or phase.
-        log = self._log
-        log.extend((code, _now(), phase))
-        self._last_phase = phase
-        return len(log) // 3 - 1
 
     def _phase(self, node: Any, args: Any, kwargs: Any) -> int:
         """Optimizer step, backward (an autograd node is running), forward (inside a module, or an op
