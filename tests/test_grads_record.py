@@ -480,13 +480,19 @@ def test_a_steady_parameter_set_reuses_one_chunk_within_the_bound(monkeypatch: p
     assert not np.isnan(rec.trace.stats[:, 0, FIELD["update_ratio"]]).any()
 
 
-def test_a_copy_failing_at_the_end_leaves_grad_mode_on_and_no_gradient_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device error surfaces at the first host copy, the one at the block's end, while the job making
-    the last step exact has started: the error reaches the user, and with its traceback kept (as a
-    notebook keeps it) gradients are still on and the recorder holds none of the user's gradients."""
+@pytest.mark.parametrize("limit", [0, rec_mod.COPY_LIMIT], ids=["exact-at-the-end", "exact-when-first-read"])
+def test_a_copy_failing_at_the_end_leaves_grad_mode_on_and_no_gradient_held(
+        limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device error surfaces at the first host copy, the one at the block's end: while the job making
+    the last step exact has started (no copy of the gradients allowed: the job runs at the end), or with
+    the last step left to its first read (issue 27: a copy of its gradients taken, then the kept steps'
+    flush fails). The error reaches the user, and with its traceback kept (as a notebook keeps it)
+    gradients are still on and the recorder holds none of the user's gradients (tests/test_grads_later.py:
+    nor their copy)."""
     def device_error(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         raise RuntimeError("CUDA error: device-side assert triggered")
 
+    monkeypatch.setattr(rec_mod, "COPY_LIMIT", limit)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -98,6 +98,9 @@ class LastCopy:
         self.copies, self.known, self.big, self.whole, self.matrices, self.bins = copies, known, big, whole, matrices, bins
         self.columns: Optional[np.ndarray] = None
 
+    def drop(self) -> None:
+        self.copies, self.known = [], self.known.new_zeros(0, 4)
+
     def job(self) -> LastJob:
         n = len(self.big)
         return sampled_exact_job(self.copies[:n], self.known, self.copies[n:], self.bins)

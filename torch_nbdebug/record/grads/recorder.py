@@ -64,10 +64,11 @@ class GradRecorder:
     """
 
     def __init__(self, model: nn.Module, name: str, *, sample: int = 4096, bins: int = 64,
-                 activations: bool = False, exact_last: bool = True, copy_limit: int = COPY_LIMIT) -> None:
+                 activations: bool = False, exact_last: bool = True, copy_limit: Optional[int] = None) -> None:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
-        self.copy_limit = copy_limit  # bytes of the last step's gradients copied to make it exact later (finish_later)
+        # bytes of the last step's gradients that finish_later may copy to make that step exact when first read
+        self.copy_limit = COPY_LIMIT if copy_limit is None else copy_limit
         self._scope = HookScope()
         self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
         self._pending: list[dict[str, Any]] = []
@@ -369,9 +370,15 @@ class GradRecorder:
         return rows.trace()
 
     def _lazy_trace(self, copy: LastCopy) -> LazyTrace:
-        layers = self._final_layers()
-        copy.columns = self._flush(final=not copy.big, whole=copy.whole)
-        return LazyTrace(self._rows(layers), copy)
+        """The kept steps flushed (one copy to the host, with the whole ones' columns of the last step that
+        its job needs), the last step left to be made exact from ``copy`` when the trace is first read."""
+        try:
+            layers = self._final_layers()
+            copy.columns = self._flush(final=not copy.big, whole=copy.whole)
+            return LazyTrace(self._rows(layers), copy)
+        except BaseException:
+            copy.drop()  # the traceback a notebook keeps keeps this frame: not the copy with it
+            raise
 
     def _rows(self, layers: Layers) -> Rows:
         """The host rows of every step as the trace's arrays, in the order of ``layers`` (:meth:`_final_layers`)."""
