@@ -106,6 +106,40 @@ def test_layers_follow_forward_order_and_snapshots_remember_it() -> None:
     assert grads(model).layer_names == ("model.body", "model.head")
 
 
+class Late(nn.Module):
+    """A layer that first runs at the third call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late, self.body, self.calls = nn.Linear(4, 4), nn.Linear(4, 2), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.body(self.late(x) if self.calls >= 3 else x)
+
+
+def _pre_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_forward_order_hooks_go_once_every_layer_ran() -> None:
+    """They only learn the order: once every layer has run they are off (each costs a module call its fast
+    path), and a layer first run later still finds its place."""
+    model = Late()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record_gradients(model) as rec:
+        hooked = []
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            hooked.append(_pre_hooks(model))
+    assert hooked == [2, 2, 0, 0]  # off at the step after the late layer's first run
+    assert rec.layer_names == ("model.body", "model.late") and rec.trace.order == "forward"
+    late = [p.name for p in rec.trace.params].index("model.late.weight")
+    assert rec.trace.stats[:, late, FIELD["has_grad"]].tolist() == [0, 0, 1, 1]  # no gradient before it ran
+
+
 def test_hooks_removed_and_user_exception_unchanged() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

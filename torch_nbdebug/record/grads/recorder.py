@@ -71,6 +71,8 @@ class GradRecorder:
         self.copy_limit = COPY_LIMIT if copy_limit is None else copy_limit
         self._scope = HookScope()
         self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
+        self._order_handles: list[Removable] = []  # learn the forward order: only until every layer ran
+        self._traced = False  # whether torch.compile traced those hooks
         self._pending: list[dict[str, Any]] = []
         self._host: list[dict[str, Any]] = []
         self._act: dict[int, torch.Tensor] = {}
@@ -98,8 +100,8 @@ class GradRecorder:
         return self
 
     def _install(self, scope: HookScope) -> None:
-        for sub, module in self._live:
-            scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+        self._order_handles = [scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+                               for sub, module in self._live]
         for li, (_, module) in enumerate(self._live):
             if self.activations:
                 scope.hook(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
@@ -119,9 +121,20 @@ class GradRecorder:
 
     # -- hooks ----------------------------------------------------------------------------
     def _seen(self, sub: str) -> None:
+        if torch.compiler.is_compiling():
+            self._traced = True
         if sub not in self._order_set:
             self._order_set.add(sub)
             self._order.append(sub)
+
+    def _order_known(self) -> None:
+        """Every layer has run: the forward order is complete, its hooks can go (a hook on a module takes
+        its call off PyTorch's fast path, a few microseconds each). Not when torch.compile traced them: its
+        code guards on the hooks, and would compile again."""
+        if not self._traced:
+            handles, self._order_handles = self._order_handles, []
+            for handle in handles:
+                handle.remove()
 
     def _fail(self, exc: BaseException) -> None:
         """A recorder bug must never break the user's training: stop recording and say why."""
@@ -217,6 +230,8 @@ class GradRecorder:
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
+        if self._order_handles and len(self._order) == len(self._live):
+            self._order_known()
         present = tuple(i for i, p in enumerate(self._params) if usable(p.grad))
         if not present:
             return None
