@@ -65,9 +65,14 @@ class Bucket:
         self.positions, self.width, self.start = positions, width, start
         self.padded = padded  # False: every row is ``width`` long, ``fill`` all zeros
         self.stop = start + len(positions) * width
-        inside = torch.arange(width, device=k.device)[None, :] < k[:, None]  # [g, width]; k: the rows' lengths
-        # added before a max: padding never wins (float32 whatever the default dtype, as the samples)
-        self.fill = torch.zeros(inside.shape, dtype=torch.float32, device=k.device).masked_fill_(~inside, -math.inf)
+        # added before a max: padding never wins (float32 whatever the default dtype, as the samples); without
+        # padding, zeros all along: one zero seen as the block's shape (building a block's worth costs more
+        # than the step it is built at)
+        if padded:
+            inside = torch.arange(width, dtype=k.dtype, device=k.device)[None, :] < k[:, None]  # k: rows' lengths
+            self.fill = torch.zeros(inside.shape, dtype=torch.float32, device=k.device).masked_fill_(~inside, -math.inf)
+        else:
+            self.fill = torch.zeros((), dtype=torch.float32, device=k.device).expand(len(positions), width)
         self.offsets: dict[int, torch.Tensor] = {}  # first histogram bin of each (step, parameter) row
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,9 +121,10 @@ class Layout:
         self.order = [j for _, positions in sorted(widths.items(), reverse=True) for j in positions]  # gather order
         n = self.n
         # Two host-to-device copies in all (each one waits for the device on a GPU), sliced on the device.
-        floats = torch.tensor(self.lengths + self.sizes +
-                              [float(self.lengths[j]) for j in self.order], dtype=torch.float64).to(device)
-        ints = torch.tensor(np.concatenate([np.argsort(self.order), self.order, self.big]).astype(np.int64)).to(device)
+        # (numpy arrays, not Python lists: torch.tensor reads a list's numbers one by one)
+        lengths = np.array(self.lengths, dtype=np.float64)
+        floats = torch.from_numpy(np.concatenate([lengths, self.sizes, lengths[self.order]])).to(device)
+        ints = torch.from_numpy(np.concatenate([np.argsort(self.order), self.order, self.big]).astype(np.int64)).to(device)
         self.k, self.numel, k_ordered = floats[:n], floats[n:2 * n], floats[2 * n:]
         self.unorder, order_index, self.big_index = ints[:n], ints[n:2 * n], ints[2 * n:]
         self.buckets: list[Bucket] = []
@@ -130,9 +136,9 @@ class Layout:
         self.size = start  # elements of one captured sample, padding included
         self.order_index = None if self.order == list(range(n)) else order_index
         pad = torch.zeros(max(b.width for b in self.buckets), dtype=torch.float32, device=device)  # sliced, not written
-        # What a gather appends, in order: each parameter then its row's padding (sliced once, here).
-        self.plan = [(j, present[j], pad[:b.width - self.lengths[j]] if self.lengths[j] < b.width else None)
-                     for b in self.buckets for j in b.positions]
+        pads = {m: pad[:m] for m in {b.width - self.lengths[j] for b in self.buckets for j in b.positions} if m}
+        # What a gather appends, in order: each parameter then its row's padding (sliced once per length, here).
+        self.plan = [(j, present[j], pads.get(b.width - self.lengths[j])) for b in self.buckets for j in b.positions]
 
     def sample_of(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """The sample of the parameter at position ``j`` (within ``present``) in a captured row ``x``."""
