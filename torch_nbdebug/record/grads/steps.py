@@ -221,12 +221,15 @@ class Sampler:
         per tensor: each one costs a tensor object per step)."""
         index = self.index
         parts: list[torch.Tensor] = []
-        # A view per tensor is an op call each: ``take`` indexes the tensor as flat without one, and a
-        # vector is flat already (the op calls a recorded step of the 2-layer GPT adds: 152 -> 74).
+        # A vector is flat already (a view per tensor is an op call each). A sampled tensor is read through
+        # its flat view by ``index_select``: a view and a plain 1-D gather cost a CPU half what ``take``'s
+        # strided indexing does (measured on the 2-layer GPT's weights: 8 + 2 µs against 21 µs); ``take``
+        # only for a tensor with no flat view.
         for j, i, pad in layout.plan:
             tensor, picked = tensors[j], index[i]
             if picked is not None:
-                parts.append(torch.take(tensor, picked))
+                parts.append(tensor.view(-1).index_select(0, picked) if tensor.is_contiguous()
+                             else torch.take(tensor, picked))
             else:
                 parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))
             if pad is not None:
