@@ -87,6 +87,7 @@ class GradRecorder:
         self._chunks = Chunks(self._chunk_rows)  # where the steps' samples are written
         self._last: Optional[list[tuple[Any, int]]] = None
         self._estimated: set[int] = set()  # steps whose overflowed norm or sum of a sampled gradient is estimated
+        self._last_checked: Optional[bool] = None  # at the end: whether the last step can be made exact
         self.trace: Optional[GradTrace] = None
 
     # -- install / remove ---------------------------------------------------------------
@@ -240,7 +241,7 @@ class GradRecorder:
         if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
         with no_grad_held():
-            row = sampled_rows(self._params, layout, self._sampler, *self._chunks.row_for(layout))
+            row = sampled_rows(self._params, grads, layout, self._sampler, *self._chunks.row_for(layout))
             row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
                 dev = row["layout"].device
@@ -436,7 +437,7 @@ class GradRecorder:
         ``[len(big), 4]``, exact at the step (its row, marked as the last, keeps its histogram). The whole
         ones are exact in its sample already but for their dead units (and, rarely, see sampled_exact_job);
         the sampled ones are measured over every element, but for those four numbers."""
-        if not (self._pending and self.exact_last and self._last_still_there()):
+        if not self._last_exists():
             return None
         row = self._pending[-1]  # a row is flushed only when a newer one comes: the last one is pending
         row["last"] = row["want_hist"] = True
@@ -459,10 +460,8 @@ class GradRecorder:
     def _last_copy(self) -> Optional[LastCopy]:
         """A copy of the gradients :meth:`_exact_last_job` would read, when it fits :func:`copy_fits` and
         can be made (None: make the last step exact now). An older recording's copy is settled first."""
-        if not (self._pending and self.exact_last and self._last_still_there()):
-            return None
-        grads = present_grads(self._params, self._pending[-1]["present"])
-        if not copy_fits(grads, self.copy_limit):
+        grads = present_grads(self._params, self._pending[-1]["present"]) if self._last_exists() else []
+        if not grads or not copy_fits(grads, self.copy_limit):
             return None
         settle()
         parts = self._last_parts()
@@ -474,6 +473,12 @@ class GradRecorder:
         except Exception:  # noqa: BLE001 - out of memory, say: computed now instead
             return None
         return LastCopy(copies, known, big, whole, self._matrices(whole), self.bins)
+
+    def _last_exists(self) -> bool:
+        """Whether the last step can be made exact (``exact_last``, its gradients still there), checked once."""
+        if self._last_checked is None:
+            self._last_checked = bool(self._pending and self.exact_last and self._last_still_there())
+        return self._last_checked
 
     def _last_still_there(self) -> bool:
         """True when the last step's gradients are still the params' .grad, unmodified since."""

@@ -353,12 +353,11 @@ def update_squares(layout: Layout, weights: torch.Tensor) -> torch.Tensor:
     return torch.cat([b.block(weights).sum(-1) for b in layout.buckets], 1)  # float32: pairwise
 
 
-def sampled_rows(params: list[torch.nn.Parameter], layout: Layout, sampler: Sampler,
+def sampled_rows(params: list[torch.nn.Parameter], grads: list[torch.Tensor], layout: Layout, sampler: Sampler,
                  chunk: Chunk, slot: int) -> dict[str, Any]:
     """Capture one step on the device, no host synchronisation: see the module docstring. The
-    gradients of ``layout.present``, sampled into row ``slot`` of ``chunk``. Called under ``no_grad``,
-    as :meth:`Sampler.gather`."""
-    grads = present_grads(params, layout.present)
+    gradients ``grads`` of ``layout.present`` (:func:`present_grads`), sampled into row ``slot`` of
+    ``chunk``. Called under ``no_grad``, as :meth:`Sampler.gather`."""
     # Gradient and parameter norms in one batched call (one kernel launch on a GPU).
     norms = torch.stack(float_norms(grads + [params[i] for i in layout.present])).to(layout.device)
     captured: dict[str, Any] = {"layout": layout, "chunk": chunk, "slot": slot,
