@@ -206,6 +206,12 @@ def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace:
     A step is each ``optimizer.step()`` of an optimizer holding the model's parameters, else each
     backward pass. ``sample`` bounds the elements per parameter used for histograms and counts;
     ``activations=True`` also records output/input statistics of every layer from forward hooks.
+
+    With ``exact_last`` (the default) the last step's statistics cover every element. They are computed
+    when the recording is first read (its view, ``.trace``, ``to_json``, ``to_tensorboard``), from a copy
+    of that step's gradients taken at the block's end, when that copy fits: at most 256 MB and, on CUDA,
+    a quarter of the device's free memory (on CUDA the copy is queued at the block's end, the computation
+    deferred to that first read); otherwise at the block's end. A later failure there shows as a note.
     """
     name, skipped = _check_model(model, name, namespace, "record_gradients")
     _check_hookable(model, name)
