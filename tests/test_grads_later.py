@@ -125,13 +125,18 @@ def test_the_copy_is_no_reference_to_the_users_gradients() -> None:
     _same(lazy, eager)
 
 
-def test_reading_the_steps_and_layers_computes_nothing_the_trace_does_once() -> None:
+def _recorded() -> tuple[GradRecording, LazyTrace]:
+    """Three steps recorded, the trace not read yet."""
     torch.manual_seed(0)
     model = Odd()
     with record_gradients(model, name="m", sample=512) as rec:
         _train(model, 3)
-    later = rec._later
-    assert isinstance(later, LazyTrace)
+    assert isinstance(rec._later, LazyTrace)
+    return rec, rec._later
+
+
+def test_reading_the_steps_and_layers_computes_nothing_the_trace_does_once() -> None:
+    rec, later = _recorded()
     with counting_host_syncs() as counted:
         assert rec.steps == (0, 1, 2) and rec.layers == ("m.emb", "m.mid", "m.head")
         assert rec.step_kind == "optimizer" and len(rec.params) == 6
@@ -145,12 +150,7 @@ def test_reading_the_steps_and_layers_computes_nothing_the_trace_does_once() -> 
 def test_a_failure_when_first_read_is_a_note_in_the_view_not_an_exception(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device error surfacing at the first read: the view shows the recording, the last step as sampled,
     and says why it is not exact; the copy is dropped."""
-    torch.manual_seed(0)
-    model = Odd()
-    with record_gradients(model, name="m", sample=512) as rec:
-        _train(model, 3)
-    later = rec._later
-    assert isinstance(later, LazyTrace)
+    rec, later = _recorded()
 
     def device_error(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
