@@ -132,15 +132,13 @@ class LazyTrace:
         assert rows is not None and last is not None
         self._last = self._rows = None  # dropped once the job is done, whatever happens
         try:
-            done = _run(last)
+            rows.make_exact(_run(last), last.big, last.whole, last.matrices)
+            self._done = rows.trace()
         except Exception as exc:  # noqa: BLE001 - the view shows the rest, and why this is missing
             self._done = self._missing(f"{type(exc).__name__}: {exc}")
         except BaseException:  # a Stop or Ctrl-C while it ran: said in the view, and raised
             self._done = self._missing("interrupted")
             raise
-        else:
-            rows.make_exact(done, last.big, last.whole, last.matrices)
-            self._done = rows.trace()
         return self._done
 
     def _missing(self, why: str) -> GradTrace:
