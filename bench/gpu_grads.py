@@ -8,8 +8,10 @@
    host-to-device copies included), on a CPU by wrapping the reading methods as
    tests/test_grads_cost.py does. Target (issue 11): at most one per step.
 2. The table of bench/bench_grads.py on the device: plain, ``torch._foreach_norm`` read once per
-   step (the anchor), a per-parameter logger, and ``record_gradients`` (entering and leaving the block,
-   the exact last step and the trace included), each timed back to back with the plain steps, each
+   step (the anchor), a per-parameter logger, and ``record_gradients`` (entering and leaving the block
+   and the trace included; the exact last step is computed at the trace's first read, from a copy of its
+   gradients queued at the block's end, when that copy fits: see bench_grads.py), each timed back to back
+   with the plain steps, each
    call synchronised: median wall time and median paired ratio to plain. Targets: <= 1.10x on
    GPT-2-small-like, <= 1.5x on the small model.
 """
@@ -45,7 +47,7 @@ def synchronisations(dev: str) -> tuple[int, int]:
     def recorded() -> None:
         with record_gradients(model, name="gpt") as rec:
             steps()
-        assert len(rec.steps) == STEPS and rec.trace.exact[-1].all()
+        assert len(rec.steps) == STEPS and rec.trace.exact[-1].all()  # read here: its copies counted too
 
     steps()
     return _count(dev, steps), _count(dev, recorded)

@@ -54,8 +54,13 @@ def test_long_runs_copy_to_the_host_once_per_flush(monkeypatch: pytest.MonkeyPat
             for _ in range(9):
                 step(model, opt, idx)
     assert rec.steps == tuple(range(9))
-    assert counted.count - baseline == 2 + 2  # flushes before steps 3 and 6, then the end's two copies
-    assert not np.isnan(rec.trace.stats[:, :, 12]).any()  # every step kept its update ratio across flushes
+    # flushes before steps 3 and 6, then the end's flush; the exact last step is computed when first read,
+    # from a copy of its gradients (issue 27's decision), in that step's two copies
+    assert counted.count - baseline == 2 + 1
+    with counting_host_syncs() as read:
+        stats = rec.trace.stats
+    assert read.count == 2 and rec.trace.exact[-1].all()
+    assert not np.isnan(stats[:, :, 12]).any()  # every step kept its update ratio across flushes
 
 
 def test_a_nan_gradient_costs_one_more_copy_at_the_end_only() -> None:
@@ -158,9 +163,11 @@ def test_a_flush_reduces_again_in_full_only_the_steps_holding_a_nan(monkeypatch:
 
 
 def test_the_end_reduces_as_finite_and_a_nan_step_again_within_its_two_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With sampled gradients the exact last step always takes a second copy: the kept steps are
-    reduced as finite at the end (a third of the passes) and only a step holding a NaN is reduced
-    again in full, for that second copy (none of its own); its numbers are those of a full reduction."""
+    """With sampled gradients the kept steps are reduced as finite at the end (a third of the passes) and
+    only a step holding a NaN is reduced again in full; its numbers are those of a full reduction. When the
+    exact last step is computed at the end, that step rides its second copy (none of its own); when it is
+    computed at the first read (issue 27: the default when a copy of the gradients fits), the end has one
+    copy only, and the NaN step takes one more there, as at any flush."""
     full = grads_steps._block_sums
     rows_in_full: list[int] = []
 
@@ -180,13 +187,18 @@ def test_the_end_reduces_as_finite_and_a_nan_step_again_within_its_two_copies(mo
                 for _ in range(3):
                     model.zero_grad()
                     model(torch.randn(4, 64)).sum().backward()
-        return rec.trace, counted_copies.count
+            trace = rec.trace  # the first read: the exact last step
+        return trace, counted_copies.count
 
-    _, clean_copies = run(nan_at=-1)
-    monkeypatch.setattr(grads_steps, "_block_sums", counted)
-    dirty, dirty_copies = run(nan_at=1)
-    assert dirty_copies == clean_copies  # the NaN step rode the exact last step's second copy
-    assert rows_in_full and set(rows_in_full) == {1}  # that step alone, reduced in full
+    for limit, more in ((0, 0), (rec_mod.COPY_LIMIT, 1)):  # the last step made exact at the end, at the first read
+        monkeypatch.setattr(rec_mod, "COPY_LIMIT", limit)
+        monkeypatch.setattr(grads_steps, "_block_sums", full)
+        _, clean_copies = run(nan_at=-1)
+        rows_in_full.clear()
+        monkeypatch.setattr(grads_steps, "_block_sums", counted)
+        dirty, dirty_copies = run(nan_at=1)
+        assert dirty_copies == clean_copies + more  # at the end: the NaN step rode the exact last step's second copy
+        assert rows_in_full and set(rows_in_full) == {1}  # that step alone, reduced in full
     reference, _ = run(nan_at=1, exact_last=False)  # the end without a job: every step reduced in full
     np.testing.assert_array_equal(dirty.stats[:2], reference.stats[:2])  # type: ignore[attr-defined]
     np.testing.assert_array_equal(dirty.hist[:2], reference.hist[:2])  # type: ignore[attr-defined]

@@ -106,6 +106,40 @@ def test_layers_follow_forward_order_and_snapshots_remember_it() -> None:
     assert grads(model).layer_names == ("model.body", "model.head")
 
 
+class Late(nn.Module):
+    """A layer that first runs at the third call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late, self.body, self.calls = nn.Linear(4, 4), nn.Linear(4, 2), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.body(self.late(x) if self.calls >= 3 else x)
+
+
+def _pre_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_forward_order_hooks_go_once_every_layer_ran() -> None:
+    """They only learn the order: once every layer has run they are off (each costs a module call its fast
+    path), and a layer first run later still finds its place."""
+    model = Late()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record_gradients(model) as rec:
+        hooked = []
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            hooked.append(_pre_hooks(model))
+    assert hooked == [2, 2, 0, 0]  # off at the step after the late layer's first run
+    assert rec.layer_names == ("model.body", "model.late") and rec.trace.order == "forward"
+    late = [p.name for p in rec.trace.params].index("model.late.weight")
+    assert rec.trace.stats[:, late, FIELD["has_grad"]].tolist() == [0, 0, 1, 1]  # no gradient before it ran
+
+
 def test_hooks_removed_and_user_exception_unchanged() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -480,13 +514,19 @@ def test_a_steady_parameter_set_reuses_one_chunk_within_the_bound(monkeypatch: p
     assert not np.isnan(rec.trace.stats[:, 0, FIELD["update_ratio"]]).any()
 
 
-def test_a_copy_failing_at_the_end_leaves_grad_mode_on_and_no_gradient_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device error surfaces at the first host copy, the one at the block's end, while the job making
-    the last step exact has started: the error reaches the user, and with its traceback kept (as a
-    notebook keeps it) gradients are still on and the recorder holds none of the user's gradients."""
+@pytest.mark.parametrize("limit", [0, rec_mod.COPY_LIMIT], ids=["exact-at-the-end", "exact-when-first-read"])
+def test_a_copy_failing_at_the_end_leaves_grad_mode_on_and_no_gradient_held(
+        limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device error surfaces at the first host copy, the one at the block's end: while the job making
+    the last step exact has started (no copy of the gradients allowed: the job runs at the end), or with
+    the last step left to its first read (issue 27: a copy of its gradients taken, then the kept steps'
+    flush fails). The error reaches the user, and with its traceback kept (as a notebook keeps it)
+    gradients are still on and the recorder holds none of the user's gradients (tests/test_grads_later.py:
+    nor their copy)."""
     def device_error(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         raise RuntimeError("CUDA error: device-side assert triggered")
 
+    monkeypatch.setattr(rec_mod, "COPY_LIMIT", limit)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -17,7 +17,7 @@ from torch import nn
 from torch_nbdebug.data.grads import Flag, GradTrace, LayerGrads
 from torch_nbdebug.errors import InputError
 from torch_nbdebug.process.grads import Thresholds, layer_for_module, step_flags, trace_flags
-from torch_nbdebug.record.grads import GradRecorder, exact_rows, layers_of
+from torch_nbdebug.record.grads import GradRecorder, LazyTrace, exact_rows, layers_of
 from torch_nbdebug.record.modules import compiled_original, module_roots, qualified_names
 from torch_nbdebug.record.source import caller_frame, caller_namespace, skipped_note
 from torch_nbdebug.render.bundle import Displayable
@@ -25,25 +25,47 @@ from torch_nbdebug.render.bundle import Displayable
 __all__ = ["grads", "record_gradients", "GradTrace", "GradReport", "GradRecording", "Thresholds"]
 
 
+# What a trace whose last step is made exact when first read has already: read without making it exact.
+_SETTLED = frozenset({"model", "params", "step_kind", "order", "sample", "layer_index"})
+
+
 class GradReport(Displayable):
     """A :class:`GradTrace` with its flags, shown as the gradient stepper."""
 
-    def __init__(self, trace: GradTrace, layer: Union[int, str, None] = None,
+    _trace: GradTrace
+
+    def __init__(self, trace: "GradTrace | LazyTrace", layer: Union[int, str, None] = None,
                  limits: Thresholds = Thresholds(), skipped: tuple[str, ...] = ()) -> None:
         self._layer_request = layer
         self._limits = limits
         self._skipped = skipped
         self._set(trace)
 
-    def _set(self, trace: GradTrace) -> None:
-        if self._skipped:  # what the namespace held that could not be inspected, said once
-            trace = dataclasses.replace(trace, notes=trace.notes + (skipped_note(self._skipped),))
-        self.trace = trace
+    def _set(self, trace: "GradTrace | LazyTrace") -> None:
+        # A recording's last step may be made exact when the trace is first read (LazyTrace): until
+        # then its steps, layers and parameters are those of its partial trace.
+        self._later = trace if isinstance(trace, LazyTrace) else None
+        self._trace = self._noted(trace.partial if isinstance(trace, LazyTrace) else trace)
         self._flags: Optional[tuple[Flag, ...]] = None  # judged when first read (the view reads them)
         # The layer to open on: an asked-for layer is checked now (a bad name is the block's error),
         # the last nanwatch birth is looked up now (a later watch must not move it); else the first
         # flagged layer, found with the flags.
-        self._start: Optional[int] = _start_layer(trace, self._layer_request)
+        self._start: Optional[int] = _start_layer(self._trace, self._layer_request)
+
+    def _noted(self, trace: GradTrace) -> GradTrace:
+        if self._skipped:  # what the namespace held that could not be inspected, said once
+            return dataclasses.replace(trace, notes=trace.notes + (skipped_note(self._skipped),))
+        return trace
+
+    @property
+    def trace(self) -> GradTrace:
+        """The recorded statistics. A recording's exact last step is computed when this is first read
+        (from a copy of its gradients taken at the block's end: see ``record_gradients``)."""
+        later = self._later
+        if later is not None:
+            self._trace = self._noted(later.resolve())
+            self._later = None
+        return self._trace
 
     @property
     def flags(self) -> tuple[Flag, ...]:
@@ -63,22 +85,21 @@ class GradReport(Displayable):
     @property
     def layers(self) -> tuple[str, ...]:
         """Layer names in forward order (``trace.layers`` has the full :class:`LayerInfo`)."""
-        return self.trace.layer_names
+        return self._trace.layer_names
 
     layer_names = layers  # the trace's own name for them
 
     @property
     def steps(self) -> tuple[int, ...]:
-        return self.trace.steps
+        return self._trace.steps
 
     def __getattr__(self, name: str) -> Any:
         """Everything else of the :class:`GradTrace` (``params``, ``stats``, ``to_json``...)."""
         if name.startswith("_") or name == "trace":
             raise AttributeError(name)
-        trace = self.__dict__.get("trace")
-        if trace is None:
+        if self.__dict__.get("_trace") is None:
             raise InputError("the recording is still running: use the result after the `with` block ends")
-        return getattr(trace, name)
+        return getattr(self._trace if name in _SETTLED else self.trace, name)
 
     def layer(self, layer: Union[int, str], step: int = -1) -> LayerGrads:
         """Statistics of one layer (index, ``model.fc1`` or ``fc1``) at one step (default: the last)."""
@@ -131,7 +152,8 @@ class GradRecording(GradReport):
         self._layer_request = layer
         self._limits = limits
         self._skipped = skipped
-        self.trace = None  # type: ignore[assignment]
+        self._trace = None  # type: ignore[assignment]  # until the block ends (``trace`` is None then)
+        self._later = None
 
     def __enter__(self) -> "GradRecording":
         if self._recorder is None:
@@ -144,14 +166,14 @@ class GradRecording(GradReport):
         assert recorder is not None
         recorder.remove()  # first, so the hooks are gone even if summarising fails
         try:
-            self._set(recorder.finish())
+            self._set(recorder.finish_later())
         except Exception:
             if exc[0] is None:
                 raise  # otherwise the user's own exception propagates, not ours
 
     def __getattribute__(self, name: str) -> Any:
         if name in ("text", "html", "widget", "layer", "layers", "layer_names", "steps", "flags_at", "flags") and \
-                object.__getattribute__(self, "trace") is None:
+                object.__getattribute__(self, "_trace") is None:
             raise InputError("the recording is still running: use the result after the `with` block ends")
         return object.__getattribute__(self, name)
 
@@ -184,6 +206,12 @@ def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace:
     A step is each ``optimizer.step()`` of an optimizer holding the model's parameters, else each
     backward pass. ``sample`` bounds the elements per parameter used for histograms and counts;
     ``activations=True`` also records output/input statistics of every layer from forward hooks.
+
+    With ``exact_last`` (the default) the last step's statistics cover every element. They are computed
+    when the recording is first read (its view, ``.trace``, ``to_json``, ``to_tensorboard``), from a copy
+    of that step's gradients taken at the block's end, when that copy fits: at most 256 MB and, on CUDA,
+    a quarter of the device's free memory (on CUDA the copy is queued at the block's end, the computation
+    deferred to that first read); otherwise at the block's end. A later failure there shows as a note.
     """
     name, skipped = _check_model(model, name, namespace, "record_gradients")
     _check_hookable(model, name)

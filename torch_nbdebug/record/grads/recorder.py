@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torch_nbdebug.data.grads import ACT_FIELDS, FIELD, GradTrace
+from torch_nbdebug.data.grads import ACT_FIELDS, GradTrace
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.grads.last import COPY_LIMIT, LastCopy, LazyTrace, Rows, copy_fits, settle
 from torch_nbdebug.record.grads.layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
 from torch_nbdebug.record.grads.stats import (
     LastJob, Redo, activation_row, exact_rows, fix_overflow, raw_to_stats, redo_dirty, run_job, sampled_exact_job,
@@ -63,11 +64,15 @@ class GradRecorder:
     """
 
     def __init__(self, model: nn.Module, name: str, *, sample: int = 4096, bins: int = 64,
-                 activations: bool = False, exact_last: bool = True) -> None:
+                 activations: bool = False, exact_last: bool = True, copy_limit: Optional[int] = None) -> None:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
+        # bytes of the last step's gradients that finish_later may copy to make that step exact when first read
+        self.copy_limit = COPY_LIMIT if copy_limit is None else copy_limit
         self._scope = HookScope()
         self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
+        self._order_handles: list[Removable] = []  # learn the forward order: only until every layer ran
+        self._traced = False  # whether torch.compile traced those hooks
         self._pending: list[dict[str, Any]] = []
         self._host: list[dict[str, Any]] = []
         self._act: dict[int, torch.Tensor] = {}
@@ -82,6 +87,7 @@ class GradRecorder:
         self._chunks = Chunks(self._chunk_rows)  # where the steps' samples are written
         self._last: Optional[list[tuple[Any, int]]] = None
         self._estimated: set[int] = set()  # steps whose overflowed norm or sum of a sampled gradient is estimated
+        self._last_checked: Optional[bool] = None  # at the end: whether the last step can be made exact
         self.trace: Optional[GradTrace] = None
 
     # -- install / remove ---------------------------------------------------------------
@@ -95,8 +101,8 @@ class GradRecorder:
         return self
 
     def _install(self, scope: HookScope) -> None:
-        for sub, module in self._live:
-            scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+        self._order_handles = [scope.hook(module.register_forward_pre_hook(lambda m, a, sub=sub: self._seen(sub)))
+                               for sub, module in self._live]
         for li, (_, module) in enumerate(self._live):
             if self.activations:
                 scope.hook(module.register_forward_hook(lambda m, a, o, li=li: self._activation(li, m, a, o)))
@@ -116,9 +122,20 @@ class GradRecorder:
 
     # -- hooks ----------------------------------------------------------------------------
     def _seen(self, sub: str) -> None:
+        if torch.compiler.is_compiling():
+            self._traced = True
         if sub not in self._order_set:
             self._order_set.add(sub)
             self._order.append(sub)
+
+    def _order_known(self) -> None:
+        """Every layer has run: the forward order is complete, its hooks can go (a hook on a module takes
+        its call off PyTorch's fast path, a few microseconds each). Not when torch.compile traced them: its
+        code guards on the hooks, and would compile again."""
+        if not self._traced:
+            handles, self._order_handles = self._order_handles, []
+            for handle in handles:
+                handle.remove()
 
     def _fail(self, exc: BaseException) -> None:
         """A recorder bug must never break the user's training: stop recording and say why."""
@@ -214,6 +231,8 @@ class GradRecorder:
 
     # -- rows -------------------------------------------------------------------------------
     def _record(self, kind: str) -> Optional[dict[str, Any]]:
+        if self._order_handles and len(self._order) == len(self._live):
+            self._order_known()
         present = tuple(i for i, p in enumerate(self._params) if usable(p.grad))
         if not present:
             return None
@@ -222,7 +241,7 @@ class GradRecorder:
         if self._pending and (len(self._pending) >= _FLUSH or self._chunks.over(layout, _MAX_KEPT)):
             self._flush()  # before this row, so its update ratio still joins it after the step
         with no_grad_held():
-            row = sampled_rows(self._params, layout, self._sampler, *self._chunks.row_for(layout))
+            row = sampled_rows(self._params, grads, layout, self._sampler, *self._chunks.row_for(layout))
             row.update(step=self._steps, kind=kind, present=present, want_hist=self._steps % self._hist_every == 0)
             if self.activations:
                 dev = row["layout"].device
@@ -233,17 +252,26 @@ class GradRecorder:
         self._steps += 1
         return row
 
-    def _flush(self, extra: Sequence[torch.Tensor] = (), final: bool = False) -> list[np.ndarray]:
-        """Reduce the kept steps and copy them to the host with ``extra``: one transfer for many steps
-        (not one per parameter or per step). Returns the host copies of ``extra``. Before the end
-        (not ``final``) the samples are taken as finite, the rows that were not reduced again in full:
-        a second transfer, only when some gradient held a NaN or an Inf."""
-        groups, arrays, host = self._reduce(extra, finite=not final)
+    def _flush(self, final: bool = False, whole: Optional[list[int]] = None) -> Optional[np.ndarray]:
+        """Reduce the kept steps and copy them to the host: one transfer for many steps (not one per
+        parameter or per step). Before the end (not ``final``) the samples are taken as finite, the rows
+        that were not reduced again in full: a second transfer, only when some gradient held a NaN or an
+        Inf. ``whole`` (the end when the last step is made exact later): returns the :data:`WHOLE_COLUMNS`
+        of those parameters at the last step, from its sample."""
+        groups, arrays, _ = self._reduce((), finite=not final)
         if not final:
             redo_dirty(groups, arrays, self.bins)
+        columns = None if whole is None else self._whole_columns(groups, arrays, whole)
         self._estimated |= fix_overflow(groups, arrays)
         self._keep(groups, arrays)
-        return host
+        return columns
+
+    def _whole_columns(self, groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.ndarray]],
+                       whole: list[int]) -> np.ndarray:
+        """The whole parameters' columns at the last step from its sample, exact when finite (the others
+        the exact last step's job measures again); before :func:`fix_overflow` mends them."""
+        raw = arrays[-1]["raw"][-1]  # the last row: the job's step
+        return whole_columns(raw[self._sampler.exact[list(groups[-1][-1]["present"])]], self._sampler.numel[whole])
 
     def _reduce(self, extra: Sequence[torch.Tensor], finite: bool
                 ) -> tuple[list[list[dict[str, Any]]], list[dict[str, np.ndarray]], list[np.ndarray]]:
@@ -288,11 +316,7 @@ class GradRecorder:
         job, big, whole = last
         groups, arrays, first = self._reduce(next(job), finite=bool(big))
         redo = Redo(groups, arrays, self.bins)
-        # The whole ones' columns from their sample, exact when finite (the others the job measures again).
-        raw = arrays[-1]["raw"][-1]  # the last row: the job's step
-        whole_cols = whole_columns(raw[self._sampler.exact[list(groups[-1][-1]["present"])]],
-                                   self._sampler.numel[whole])
-        result, copies = run_job(job, first + [whole_cols], ride=redo.tensors)
+        result, copies = run_job(job, first + [self._whole_columns(groups, arrays, whole)], ride=redo.tensors)
         redo.put(copies)
         self._estimated |= fix_overflow(groups, arrays)
         self._keep(groups, arrays)
@@ -325,20 +349,56 @@ class GradRecorder:
 
     # -- result ----------------------------------------------------------------------------
     def finish(self) -> GradTrace:
+        """The trace, the last step made exact now (``exact_last``)."""
+        trace = self._finish(later=False)
+        assert isinstance(trace, GradTrace)
+        return trace
+
+    def finish_later(self) -> "GradTrace | LazyTrace":
+        """:meth:`finish`, the last step made exact when the trace is first read (:class:`LazyTrace`) when a
+        copy of its gradients fits :func:`copy_fits` (``copy_limit`` bytes); else, or when that copy fails
+        (out of memory), made exact now."""
+        return self._finish(later=True)
+
+    def _finish(self, later: bool) -> "GradTrace | LazyTrace":
         if self._order:
             remember_order(self.model, tuple(self._order))
-        last = None
+        last, copy = None, None
         try:
+            copy = self._last_copy() if later else None
+            if copy is not None:
+                return self._lazy_trace(copy)
             last = self._exact_last_job()
             return self._trace(last)
         finally:  # also when a copy fails part-way: no suspended job, no reference to the user's tensors
             if last is not None:
                 last[0].close()
+            copy = None  # nor to the copy of them (a traceback kept in a notebook keeps this frame)
             self._release()
 
     def _trace(self, last: Optional[tuple[LastJob, list[int], list[int]]]) -> GradTrace:
-        live, params, layers, infos, order = self._final_layers()
+        layers = self._final_layers()
         done = self._end(last)  # the kept steps and the exact last step's numbers: two copies for finite ones
+        rows = self._rows(layers)
+        if last is not None and done is not None:
+            _, big, whole = last
+            rows.make_exact(done, big, whole, self._matrices(whole))
+        return rows.trace()
+
+    def _lazy_trace(self, copy: LastCopy) -> LazyTrace:
+        """The kept steps flushed (one copy to the host, with the whole ones' columns of the last step that
+        its job needs), the last step left to be made exact from ``copy`` when the trace is first read."""
+        try:
+            layers = self._final_layers()
+            copy.columns = self._flush(final=not copy.big, whole=copy.whole)
+            return LazyTrace(self._rows(layers), copy)
+        except BaseException:
+            copy.drop()  # the traceback a notebook keeps keeps this frame: not the copy with it
+            raise
+
+    def _rows(self, layers: Layers) -> Rows:
+        """The host rows of every step as the trace's arrays, in the order of ``layers`` (:meth:`_final_layers`)."""
+        live, params, layer_infos, infos, order = layers
         old = {id(p): i for i, p in enumerate(self._params)}
         perm = [old[id(p)] for p in params]
         lperm = [[s for s, _ in self._live].index(sub) for sub, _ in live]
@@ -351,33 +411,15 @@ class GradRecorder:
         skipped = [info.name for info, p in zip(self._infos, self._params) if p.grad is not None and not usable(p.grad)]
         if skipped:
             notes.append(f"sparse, complex or integer gradients not analysed: {', '.join(skipped[:5])}")
-        estimated = self._estimated
-        if last is not None and done is not None:
-            estimated = estimated - {self._host[-1]["step"]}  # made exact below
-            _, big, whole = last
-            cols, counts, lo_hi, fixed, dead_whole = done
-            new = np.argsort(perm)  # recorder's parameter index -> the trace's
-            redone = new[big + [whole[j] for j in fixed]]
-            for key, values in cols.items():  # the sampled parameters (and a few whole), over every element
-                stats[-1, redone, FIELD[key]] = values
-            matrices = new[[i for i, g in zip(whole, present_grads(self._params, whole)) if g.dim() >= 2]]
-            stats[-1, matrices, FIELD["dead_units"]] = dead_whole  # all the sample could not say
-            exact[-1] = True
-            hist[-1, redone], rng[-1, redone] = counts, lo_hi  # the last row always keeps its histogram
-        if not exact.all():
-            notes.append(f"histograms, mean |g|, zero/NaN/Inf counts and update ratios of parameters over "
-                         f"{self.sample} elements are estimated from a fixed random sample of {self.sample}")
-        if estimated:
-            notes.append(f"the float32 sum of squares of a finite gradient overflowed at {len(estimated)} step(s) "
-                         f"(first: step {min(estimated)}): the norms and sums of parameters over {self.sample} "
-                         "elements there are estimated from their sample")
-        if self._hist_every > 1:
-            notes.append(f"histograms kept for every {self._hist_every}th step (at most {_MAX_HISTS})")
         acts = np.stack([h["act"][lperm] for h in self._host]) if self.activations and self._host else None
-        kind = "optimizer" if self._opt_seen else "backward"
-        return GradTrace(self.name, infos, layers, tuple(h["step"] for h in self._host), stats, exact, tuple(kept),
-                         hist, rng, step_kind=kind, order=order, sample=self.sample, activations=acts,
-                         notes=tuple(notes))
+        return Rows(self.name, infos, layer_infos, tuple(h["step"] for h in self._host), stats, exact, tuple(kept),
+                    hist, rng, np.argsort(perm), kind="optimizer" if self._opt_seen else "backward", order=order,
+                    sample=self.sample, activations=acts, notes=notes, estimated=set(self._estimated),
+                    hist_every=self._hist_every, max_hists=_MAX_HISTS)
+
+    def _matrices(self, whole: list[int]) -> list[int]:
+        """Those of the parameters ``whole`` whose gradient has units (at least two dimensions)."""
+        return [i for i, g in zip(whole, present_grads(self._params, whole)) if g.dim() >= 2]
 
     def _final_layers(self) -> Layers:
         """:func:`layers_of` in the forward order this recording saw. When that order is the one the
@@ -389,12 +431,13 @@ class GradRecorder:
         infos = tuple(param_info(info.name, info.layer, p) for info, p in zip(self._infos, self._params))
         return self._live, self._params, self._layers, infos, self._order_kind
 
-    def _exact_last_job(self) -> Optional[tuple[LastJob, list[int], list[int]]]:
-        """The job making the last step exact when its gradients are still there (``exact_last``), with
-        the recorder's indices of its sampled parameters and of those taken whole. The whole ones are
-        exact in its sample already but for their dead units (and, rarely, see sampled_exact_job); the
-        sampled ones are measured over every element, but for their norm, sum, min and max, exact at the step."""
-        if not (self._pending and self.exact_last and self._last_still_there()):
+    def _last_parts(self) -> Optional[tuple[list[int], list[int], torch.Tensor]]:
+        """When the last step's gradients are still there (``exact_last``): the recorder's indices of its
+        sampled parameters and of those taken whole, and the sampled ones' norm, sum, min and max
+        ``[len(big), 4]``, exact at the step (its row, marked as the last, keeps its histogram). The whole
+        ones are exact in its sample already but for their dead units (and, rarely, see sampled_exact_job);
+        the sampled ones are measured over every element, but for those four numbers."""
+        if not self._last_exists():
             return None
         row = self._pending[-1]  # a row is flushed only when a newer one comes: the last one is pending
         row["last"] = row["want_hist"] = True
@@ -403,9 +446,39 @@ class GradRecorder:
         whole = [i for i in row["present"] if self._sampler.exact[i]]
         known = torch.cat([row["norm"].index_select(0, layout.big_index)[:, None], row["big"]], 1) if big else \
             row["norm"].new_zeros(0, 4)
-        job = sampled_exact_job([self._params[i].grad for i in big], known, [self._params[i].grad for i in whole],
-                                self.bins)
+        return big, whole, known
+
+    def _exact_last_job(self) -> Optional[tuple[LastJob, list[int], list[int]]]:
+        """The job making the last step exact on its gradients (see :meth:`_last_parts`)."""
+        parts = self._last_parts()
+        if parts is None:
+            return None
+        big, whole, known = parts
+        job = sampled_exact_job(present_grads(self._params, big), known, present_grads(self._params, whole), self.bins)
         return job, big, whole
+
+    def _last_copy(self) -> Optional[LastCopy]:
+        """A copy of the gradients :meth:`_exact_last_job` would read, when it fits :func:`copy_fits` and
+        can be made (None: make the last step exact now). An older recording's copy is settled first."""
+        grads = present_grads(self._params, self._pending[-1]["present"]) if self._last_exists() else []
+        if not grads or not copy_fits(grads, self.copy_limit):
+            return None
+        settle()
+        parts = self._last_parts()
+        assert parts is not None
+        big, whole, known = parts
+        try:
+            with no_grad_held():
+                copies = [g.clone() for g in present_grads(self._params, big + whole)]
+        except Exception:  # noqa: BLE001 - out of memory, say: computed now instead
+            return None
+        return LastCopy(copies, known, big, whole, self._matrices(whole), self.bins)
+
+    def _last_exists(self) -> bool:
+        """Whether the last step can be made exact (``exact_last``, its gradients still there), checked once."""
+        if self._last_checked is None:
+            self._last_checked = bool(self._pending and self.exact_last and self._last_still_there())
+        return self._last_checked
 
     def _last_still_there(self) -> bool:
         """True when the last step's gradients are still the params' .grad, unmodified since."""
