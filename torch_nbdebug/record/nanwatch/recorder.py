@@ -148,6 +148,9 @@ class NanRecorder(Recorder):
         self._handles.append(scope.hook(compat.register_global_forward_hook(not_traced(exit_hook),
                                                                             with_kwargs=replay, always_call=replay)))
         tracker = self._tracker = ThreadTracker(self.thread, self.namespace)
+        self.table.stack = tracker.stack  # (replay's exit and call starts read the path stack directly)
+        if self.keeper is not None:
+            self.keeper.stack = tracker.stack
         # (the order matters: the table first; replay's boundaries before its kept outputs)
         for watcher in (self.table, self.moves, self.boundaries, self.keeper) if replay else (self.table,
                                                                                              self.verdicts):

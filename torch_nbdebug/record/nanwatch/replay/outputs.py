@@ -45,16 +45,17 @@ class KeptOutputs(CallWatcher):
         self._starts: list[Start] = []  # RNG state and argument versions of each running call, by depth
         self._outer_call: Optional[Kept] = None  # the outermost call, until its exit's check
         self.saw_half = False  # a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
+        self.stack: list[str] = []  # the module tracker's path stack (the recorder hands it over)
 
     # -- the tracker's calls ------------------------------------------------------------------
     def call_started(self, args: Any) -> None:
         """The forward pre-hook's view of a call (before it enters the stack)."""
-        del self._starts[self._depth():]
-        self._starts.append(call_start(args))
+        starts = self._starts
+        del starts[len(self.stack):]
+        starts.append(call_start(args))
 
-    def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
-        if outermost:
-            self.forward_over()
+    def outermost_returned(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
+        self.forward_over()
 
     def forward_over(self) -> None:
         """The outermost module call ended (this hook runs also when it raised): what is still kept was
