@@ -41,6 +41,27 @@ def module_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, nn.M
     return [(key, value) for _, _, key, value in found]
 
 
+def _walked_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """:func:`module_roots` in its order, each root with its :func:`user_named_modules` walk: one walk per
+    root (the size the roots are sorted by is the walk's count of distinct modules, a compile wrapper's own
+    not counted, as ``module_roots`` counts the model it runs)."""
+    if namespace is None:
+        return []
+    found: list[tuple[int, bool, str, list[tuple[str, nn.Module]]]] = []
+    for key, value in list(namespace.items()):
+        if type(key) is not str or key.startswith("_") or not issubclass(type(value), nn.Module):
+            continue
+        compiled = compiled_original(value) is not None
+        try:
+            walk = list(user_named_modules(value))
+        except Exception:  # noqa: BLE001 - a module we cannot walk is left out, and said so
+            _skip(namespace, key)
+            continue
+        found.append((len({id(m) for _, m in walk}) - compiled, compiled, key, walk))
+    found.sort(key=lambda r: (-r[0], r[1], r[2]))
+    return [(key, walk) for _, _, key, walk in found]
+
+
 def compiled_original(module: Any) -> Optional[nn.Module]:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, else None."""
     inner = compat.original_module(module)  # the one rule for unwrapping lives in compat
@@ -120,7 +141,7 @@ class ModuleNamer:
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None) -> None:
         self._namespace = namespace
         self._names: dict[int, tuple[weakref.ref, str]] = {}
-        self._add_roots(module_roots(namespace))
+        self._add_walks(_walked_roots(namespace))
 
     def name(self, module: nn.Module, parent: Optional[str] = None) -> str:
         found = self._lookup(module)
@@ -128,7 +149,7 @@ class ModuleNamer:
             return found
         if parent is None:
             # The namespace may have gained the model since we were created (``model = Net()`` in the cell).
-            self._add_roots(module_roots(self._namespace))
+            self._add_walks(_walked_roots(self._namespace))
             found = self._lookup(module)
             if found is None:
                 self._add_roots([(type(module).__name__.lower(), module)])
@@ -145,8 +166,11 @@ class ModuleNamer:
         self._namespace = None
 
     def _add_roots(self, roots: Iterable[tuple[str, nn.Module]]) -> None:
-        for root_name, root in roots:
-            for sub_name, module in _safely(user_named_modules, root):
+        self._add_walks([(root_name, _safely(user_named_modules, root)) for root_name, root in roots])
+
+    def _add_walks(self, walks: Iterable[tuple[str, list[tuple[str, nn.Module]]]]) -> None:
+        for root_name, walk in walks:
+            for sub_name, module in walk:
                 if self._lookup(module) is None:  # the largest root claims shared modules
                     self._remember(module, f"{root_name}.{sub_name}" if sub_name else root_name)
 
