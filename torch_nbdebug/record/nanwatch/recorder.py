@@ -144,7 +144,7 @@ class NanRecorder(Recorder):
         scope.callback(self._handles.clear)
         # Our module post hook goes first so the tracker still shows the exiting module. Dynamo must
         # not trace it into a torch.compile'd model (it would graph-break on every .item()).
-        exit_hook = self.table.exit_kw if replay else self.table.exit
+        exit_hook = self.table.exit_kw if replay else self.table.exit_now
         self._handles.append(scope.hook(compat.register_global_forward_hook(not_traced(exit_hook),
                                                                             with_kwargs=replay, always_call=replay)))
         tracker = self._tracker = ThreadTracker(self.thread, self.namespace)

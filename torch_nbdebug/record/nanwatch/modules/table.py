@@ -77,7 +77,7 @@ class ModuleTable(CallWatcher):
             return
         kwargs, output = rest
         if keeper is not None:
-            if type(output) is torch.Tensor and self._kept_at_once(module, output, keeper):
+            if type(output) is torch.Tensor and self._at_once(module, output, keeper):
                 return
             keeper.kwargs = kwargs
         try:
@@ -86,16 +86,18 @@ class ModuleTable(CallWatcher):
             if keeper is not None:
                 keeper.kwargs = {}
 
-    def _kept_at_once(self, module: torch.nn.Module, t: torch.Tensor, keeper: KeptOutputs) -> bool:
-        """Replay's common exit in one frame: a nested call of the watching thread returned a finite float32/64
-        CPU tensor, not its last child's (a container's). Its reading is taken now and kept for the table
-        (:meth:`KeptOutputs._keep`'s finite CPU case), and the gradient into it is hooked, as the general path
-        (:meth:`exit`) does. False: not that case, or the output is non-finite; the general path then runs
-        (the reading is pure, nothing was kept)."""
+    def _at_once(self, module: torch.nn.Module, t: torch.Tensor, keeper: Optional[KeptOutputs]) -> bool:
+        """The common exit in one frame: a call of the watching thread returned a finite float32/64 CPU tensor,
+        not its last child's (a container's), and no dispatch mode is on. Its reading is taken now: replay
+        (``keeper``) keeps it for the table when the model returns, a nested call only (:meth:`KeptOutputs._keep`'s
+        finite CPU case); module mode (immediate) gives the table its row. The gradient into it is hooked. All as
+        the general path (:meth:`exit`) does it. False: not that case, or the output is non-finite; the general
+        path then runs (the reading is pure, nothing was kept)."""
         thread, stack = self.thread, self.stack
-        if thread.replaying or _get_ident() != thread.thread_id or len(stack) < 2 or not _outputs.READ_AT_EXIT \
-                or not t.is_cpu or t.dtype in ops.HALF or not t.is_floating_point() or t.layout != torch.strided \
-                or _dispatch_stack_len() or self._busy():
+        if thread.replaying or _get_ident() != thread.thread_id or not stack or not t.is_cpu or t.dtype in ops.HALF \
+                or not t.is_floating_point() or t.layout != torch.strided or _dispatch_stack_len() or self._busy():
+            return False
+        if keeper is not None and (len(stack) < 2 or not _outputs.READ_AT_EXIT):
             return False
         last = self._last_exit
         if last is not None and last[0].alive() is t:  # a container returning its child's output
@@ -111,14 +113,17 @@ class ModuleTable(CallWatcher):
                 return False
             path, ref = stack[-1], LiveRef(t)
             grad = t.requires_grad
-            kept = keeper.kept.entries
-            kept.append(Kept(t if grad else None, [path], self.ctx.clock.iteration, module, values=values, live=ref))
+            if keeper is not None:
+                keeper.kept.entries.append(Kept(t if grad else None, [path], self.ctx.clock.iteration, module,
+                                                values=values, live=ref))
+            else:
+                self.layers.take_forward(path, values)
             hook = None
             if grad and self._backward and torch.is_grad_enabled():
                 hook = _GradHook(self, path)
                 self.ctx.keep_handle(t.register_hook(hook))
-            self._last_exit = (ref, None, hook)
-            if keeper.kept.full():
+            self._last_exit = (ref, None if keeper is not None else values, hook)
+            if keeper is not None and keeper.kept.full():
                 with self.ctx.quiet():
                     self.ctx.flush()
         except NanBirthError:
@@ -132,6 +137,12 @@ class ModuleTable(CallWatcher):
                 or self._busy():
             return
         self.keeper.raised(module, args, kwargs)
+
+    def exit_now(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The exit hook without replay: module mode, and op mode with ``replay=False``."""
+        if type(output) is torch.Tensor and not self._deferred and self._at_once(module, output, None):
+            return
+        self.exit(module, args, output)
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.thread.replaying or not self.thread.mine():
