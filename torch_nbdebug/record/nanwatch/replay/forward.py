@@ -32,7 +32,7 @@ from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.nanwatch.replay.restore import (autocast_as, grad_mode, restored_attributes, restored_buffers,
-                                                          restored_rng, rng_state)
+                                                          restored_rng)
 from torch_nbdebug.record.source import line_of
 
 
@@ -116,11 +116,21 @@ def _strong(value: Any) -> Any:
 Start = tuple[tuple[torch.Tensor, Optional[list[torch.Tensor]]], tuple[int, ...], int]  # RNG, versions, seq
 
 
+_cpu_generator = torch.default_generator
+_cuda_initialized = torch.cuda.is_initialized
+_next_sequence_nr = compat.next_sequence_nr
+
+
 def call_start(args: Any) -> Start:
-    """Taken in the forward pre-hook: the RNG state and the positional tensors' versions."""
-    versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
-        if isinstance(args, tuple) else ()
-    return rng_state(), versions, compat.next_sequence_nr()
+    """Taken in the forward pre-hook (at every module call: :func:`~replay.restore.rng_state` inlined): the
+    RNG state and the positional tensors' versions."""
+    if type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common call
+        versions: tuple[int, ...] = (ops.version_of(args[0]),)
+    else:
+        versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
+            if isinstance(args, tuple) else ()
+    cuda = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
+    return (_cpu_generator.get_state(), cuda), versions, _next_sequence_nr()
 
 
 def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
@@ -314,8 +324,39 @@ class ModelCalls:
         self.calls = []
 
 
-# module classes whose parameters() is nn.Module's own walk (weak: a class redefined in a cell goes)
-_PLAIN_WALK: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+class ByClass:
+    """A flag per class, computed once by ``compute(cls)``, looked up by the class's id: no weak reference is
+    made at each lookup (``WeakKeyDictionary.get`` makes one; these run at every module of a walk or call).
+    Weak all the same: a class that dies (redefined in a cell) leaves."""
+
+    __slots__ = ("_flags", "_compute")
+
+    def __init__(self, compute: Callable[[type], bool]) -> None:
+        self._flags: dict[int, tuple[weakref.ref, bool]] = {}
+        self._compute = compute
+
+    def get(self, cls: type) -> bool:
+        entry = self._flags.get(id(cls))
+        if entry is not None and entry[0]() is cls:
+            return entry[1]
+        key, flags, value = id(cls), self._flags, self._compute(cls)
+
+        def gone(ref: weakref.ref, key: int = key) -> None:
+            if flags.get(key, (None, False))[0] is ref:
+                del flags[key]
+
+        flags[key] = (weakref.ref(cls, gone), value)
+        return value
+
+
+def _lists_plainly(cls: type) -> bool:
+    module = torch.nn.Module
+    return all(getattr(cls, name, None) is getattr(module, name) for name in
+               ("parameters", "named_parameters", "named_modules", "_named_members", "modules"))
+
+
+# module classes whose parameters() is nn.Module's own walk
+_PLAIN_WALK = ByClass(_lists_plainly)
 
 
 def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -342,10 +383,7 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
         m = stack.pop()
         if m in seen_modules:
             continue
-        plain = _PLAIN_WALK.get(type(m))
-        if plain is None:
-            plain = _PLAIN_WALK[type(m)] = _lists_plainly(type(m))
-        if not plain:
+        if not _PLAIN_WALK.get(type(m)):
             return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
         modules.append(m)
@@ -355,9 +393,3 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
                 found.append(p)
         stack += [c for c in reversed(compat.child_modules(m)) if c is not None]
     return modules, tuple(found)
-
-
-def _lists_plainly(cls: type) -> bool:
-    module = torch.nn.Module
-    return all(getattr(cls, name, None) is getattr(module, name) for name in
-               ("parameters", "named_parameters", "named_modules", "_named_members", "modules"))
