@@ -53,13 +53,36 @@ def _walked_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, lis
             continue
         compiled = compiled_original(value) is not None
         try:
-            walk = list(user_named_modules(value))
+            walk = (None if compiled else _plain_named_walk(value)) or list(user_named_modules(value))
         except Exception:  # noqa: BLE001 - a module we cannot walk is left out, and said so
             _skip(namespace, key)
             continue
         found.append((len({id(m) for _, m in walk}) - compiled, compiled, key, walk))
     found.sort(key=lambda r: (-r[0], r[1], r[2]))
     return [(key, walk) for _, _, key, walk in found]
+
+
+_WALK_CAP = 100_000  # modules listed by one plain walk (more: a cycle, left to named_modules' own walk)
+
+
+def _plain_named_walk(root: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
+    """``list(root.named_modules(remove_duplicate=False))``, the same pairs in the same order, in one loop over
+    the ``_modules`` dicts (the generator chain of ``named_modules`` costs several times as much, at every
+    watch's start); None when a class in the tree lists its modules its own way (its ``named_modules`` is
+    then the one to run)."""
+    own = nn.Module.named_modules
+    out: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        if type(module).named_modules is not own or len(out) > _WALK_CAP:
+            return None
+        out.append((prefix, module))
+        children = compat.module_registries(module)[2]
+        if children:
+            dot = prefix + "." if prefix else ""
+            stack += [(dot + name, child) for name, child in reversed(children.items()) if child is not None]
+    return out
 
 
 def compiled_original(module: Any) -> Optional[nn.Module]:
