@@ -251,6 +251,11 @@ def child_modules(module: torch.nn.Module) -> list[Any]:
     return list(module._modules.values())
 
 
+def child_module_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's own child dict (``_modules``: live, not a copy; ``None`` entries included), by name."""
+    return module._modules  # type: ignore[return-value]
+
+
 def module_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The module's own parameter, buffer and child dicts (live, not copies): what an attribute name of the
     module itself holds, read without a descriptor or ``__getattr__``."""

@@ -78,7 +78,7 @@ def _plain_named_walk(root: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
         if type(module).named_modules is not own or len(out) > _WALK_CAP:
             return None
         out.append((prefix, module))
-        children = compat.module_registries(module)[2]
+        children = compat.child_module_dict(module)
         if children:
             dot = prefix + "." if prefix else ""
             stack += [(dot + name, child) for name, child in reversed(children.items()) if child is not None]
