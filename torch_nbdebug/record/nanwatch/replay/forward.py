@@ -379,17 +379,20 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
     seen_modules: set = set()
     seen: set[int] = set()
     stack = [module]
+    plain_flags, dicts = _PLAIN_WALK, compat.parameter_and_child_dicts
     while stack:
         m = stack.pop()
         if m in seen_modules:
             continue
-        if not _PLAIN_WALK.get(type(m)):
+        if not plain_flags.get(type(m)):
             return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
         modules.append(m)
-        for p in compat.own_parameters(m):
+        params, children = dicts(m)
+        for p in params.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
-        stack += [c for c in reversed(compat.child_modules(m)) if c is not None]
+        if children:
+            stack += [c for c in reversed(children.values()) if c is not None]
     return modules, tuple(found)
