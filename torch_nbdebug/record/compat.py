@@ -234,6 +234,12 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def tensor_versions(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Each tensor's version counter, -1 for an inference tensor (which keeps none), in one call: a model's
+    parameters are read at every model call."""
+    return tuple([-1 if t.is_inference() else t._version for t in tensors])
+
+
 # -- modules' own registries ----------------------------------------------------------------------
 def buffer_registry(module: torch.nn.Module) -> dict[str, Any]:
     """The module's own buffer dict (``_buffers``), the one ``register_buffer`` writes: a replay swaps

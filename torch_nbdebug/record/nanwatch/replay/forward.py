@@ -366,7 +366,7 @@ def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
 
 def versions_of(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
     """Each parameter's version counter: another tuple once a weight was written in place."""
-    return tuple([ops.version_of(p) for p in parameters])
+    return compat.tensor_versions(parameters)
 
 
 def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[torch.Tensor, ...]]:
