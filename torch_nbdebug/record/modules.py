@@ -167,7 +167,10 @@ class ModuleNamer:
         self._add_walks(_walked_roots(namespace))
 
     def name(self, module: nn.Module, parent: Optional[str] = None) -> str:
-        found = self._lookup(module)
+        entry = self._names.get(id(module))  # (_lookup inlined: this runs at every module call)
+        if entry is not None and entry[0]() is module:
+            return entry[1]
+        found = self._lookup(module)  # (a dead module's entry goes)
         if found is not None:
             return found
         if parent is None:
