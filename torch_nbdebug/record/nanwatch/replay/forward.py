@@ -57,8 +57,8 @@ class Call:
     def with_parameters(self, parameters: tuple[torch.Tensor, ...]) -> "Call":
         """The call with the module's parameters and their versions now (:meth:`ModelCalls.add`): a new
         object, the kept entry's own is unchanged (``dataclasses.replace`` costs ten times as much)."""
-        return Call(self.args, self.kwargs, self.versions, self.tensors, self.rng, self.cuda_rng, self.grad_enabled,
-                    self.seq, self.refs, self.autocast, versions_of(parameters), parameters)
+        return type(self)(self.args, self.kwargs, self.versions, self.tensors, self.rng, self.cuda_rng,
+                          self.grad_enabled, self.seq, self.refs, self.autocast, versions_of(parameters), parameters)
 
     def params_changed(self, parameters: tuple[torch.Tensor, ...]) -> bool:
         """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values.
