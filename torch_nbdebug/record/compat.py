@@ -259,13 +259,13 @@ def child_modules(module: torch.nn.Module) -> list[Any]:
 
 def child_module_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The module's own child dict (``_modules``: live, not a copy; ``None`` entries included), by name."""
-    return module._modules  # type: ignore[return-value]
+    return module._modules
 
 
 def parameter_and_child_dicts(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """The module's own parameter and child dicts (``_parameters``, ``_modules``: live, not copies; ``None``
     entries included), in one call: a walk of the module tree reads them at every module."""
-    return module._parameters, module._modules  # type: ignore[return-value]
+    return module._parameters, module._modules
 
 
 def module_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -162,7 +162,8 @@ class KeptOutputs(CallWatcher):
 
 
 def _inplace_from_class(cls: type) -> bool:
-    return any("inplace" in vars(k) for k in cls.__mro__) or cls.__getattr__ is not torch.nn.Module.__getattr__
+    return (any("inplace" in vars(k) for k in cls.__mro__)
+            or getattr(cls, "__getattr__", None) is not torch.nn.Module.__getattr__)
 
 
 # module class -> whether ``inplace`` may come from the class
