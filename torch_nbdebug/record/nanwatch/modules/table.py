@@ -117,7 +117,7 @@ class ModuleTable(CallWatcher):
                 keeper.kept.entries.append(Kept(t if grad else None, [path], self.ctx.clock.iteration, module,
                                                 values=values, live=ref))
             else:
-                self.layers.take_forward(path, values)
+                self.layers.take_finite_forward(path, values)
             hook = None
             if grad and self._backward and torch.is_grad_enabled():
                 hook = _GradHook(self, path)
