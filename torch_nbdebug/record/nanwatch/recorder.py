@@ -163,7 +163,8 @@ class NanRecorder(Recorder):
         scope.callback(tracker.remove)  # (idempotent; also what a failed enter left)
         tracker.__enter__()
         if self.options.optimizer:
-            self.optim = OptimizerWatch(self, self.lr, self.switch.suspend, self.switch.resume, self.deferred)
+            self.optim = self.table.optim = OptimizerWatch(self, self.lr, self.switch.suspend, self.switch.resume,
+                                                           self.deferred)
             self._handles += [scope.hook(register_optimizer_step_pre_hook(self.optim.pre)),
                               scope.hook(register_optimizer_step_post_hook(self.optim.post))]
         if self.options.mode == "op":

@@ -9,7 +9,7 @@ import contextlib
 import math
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -30,6 +30,12 @@ _NOTHING = contextlib.nullcontext()
 _get_ident = threading.get_ident
 _dispatch_stack_len = compat.dispatch_stack_len
 _isfinite = math.isfinite
+
+
+class _Stepping(Protocol):
+    """What the module layer reads of the optimizer watch: ``active`` > 0 while a step runs."""
+
+    active: int
 
 
 class ModuleTable(CallWatcher):
@@ -54,6 +60,8 @@ class ModuleTable(CallWatcher):
         # replay: told of each non-finite gradient into a module output (replay.backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
         self.stack: list[str] = []  # the module tracker's path stack (the recorder hands it over)
+        # the optimizer watch (the recorder hands it over): its ``active`` is ``busy()``, read without two frames
+        self.optim: Optional[_Stepping] = None
 
     # -- module calls ---------------------------------------------------------------------------
     def call_entered(self, path: str, module: torch.nn.Module) -> None:
@@ -95,7 +103,10 @@ class ModuleTable(CallWatcher):
         path then runs (the reading is pure, nothing was kept)."""
         thread, stack = self.thread, self.stack
         if thread.replaying or _get_ident() != thread.thread_id or not stack or not t.is_cpu or t.dtype in ops.HALF \
-                or not t.is_floating_point() or t.layout != torch.strided or _dispatch_stack_len() or self._busy():
+                or not t.is_floating_point() or t.layout != torch.strided or _dispatch_stack_len():
+            return False
+        optim = self.optim
+        if optim is not None and optim.active > 0:  # (busy())
             return False
         if keeper is not None and (len(stack) < 2 or not _outputs.READ_AT_EXIT):
             return False

@@ -125,7 +125,8 @@ def call_start(args: Any) -> Start:
     """Taken in the forward pre-hook (at every module call: :func:`~replay.restore.rng_state` inlined): the
     RNG state and the positional tensors' versions."""
     if type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common call
-        versions: tuple[int, ...] = (ops.version_of(args[0]),)
+        t = args[0]
+        versions: tuple[int, ...] = (-1 if t.is_inference() else compat.tensor_version(t),)  # (version_of)
     else:
         versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
             if isinstance(args, tuple) else ()
