@@ -234,6 +234,12 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def tensor_versions(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Each tensor's version counter, -1 for an inference tensor (which keeps none), in one call: a model's
+    parameters are read at every model call."""
+    return tuple([-1 if t.is_inference() else t._version for t in tensors])
+
+
 # -- modules' own registries ----------------------------------------------------------------------
 def buffer_registry(module: torch.nn.Module) -> dict[str, Any]:
     """The module's own buffer dict (``_buffers``), the one ``register_buffer`` writes: a replay swaps
@@ -249,6 +255,17 @@ def own_parameters(module: torch.nn.Module) -> list[Any]:
 def child_modules(module: torch.nn.Module) -> list[Any]:
     """The module's direct children, ``None`` entries included, in order (``_modules``)."""
     return list(module._modules.values())
+
+
+def child_module_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's own child dict (``_modules``: live, not a copy; ``None`` entries included), by name."""
+    return module._modules
+
+
+def parameter_and_child_dicts(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The module's own parameter and child dicts (``_parameters``, ``_modules``: live, not copies; ``None``
+    entries included), in one call: a walk of the module tree reads them at every module."""
+    return module._parameters, module._modules
 
 
 def module_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -680,9 +697,15 @@ def hooks_in_modules(modules: Iterable[Any], own: Collection[int] = ()) -> bool:
     (forward, forward pre, backward), or a global module hook is installed other than ``own`` (the
     caller's handle ids) and this package's: running the model again would run them again. Reads
     ``nn.Module``'s private hook dicts (no public accessor)."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return (any(bool(getattr(m, name, None)) for m in modules for name in names)
-            or bool(global_module_hook_ids("torch_nbdebug") - set(own)))
+    for m in modules:  # (a loop, not a generator: it runs over every module of a model at every backward)
+        try:
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return True
+        except AttributeError:  # a module whose __init__ skipped nn.Module's: the ones it has
+            names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+            if any(getattr(m, name, None) for name in names):
+                return True
+    return bool(global_module_hook_ids("torch_nbdebug") - set(own))
 
 
 def register_global_forward_hook(hook: Callable[..., Any], *, with_kwargs: bool = False,

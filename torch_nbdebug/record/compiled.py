@@ -52,6 +52,10 @@ class _EagerStance:
                 self._token = compat.force_eager()
             self._users += 1
 
+    def held(self) -> bool:
+        """Whether a watch holds the stance now: dynamo traces nothing (compiled code runs eagerly)."""
+        return self._users > 0
+
     def release(self) -> None:
         with self._lock:
             self._users -= 1
@@ -61,6 +65,13 @@ class _EagerStance:
 
 
 _EAGER = _EagerStance()
+
+
+def eager_stance_held() -> bool:
+    """Whether compiled code runs eagerly now (a :class:`CompiledCode` holds the ``force_eager`` stance):
+    dynamo traces no frame, so a hook needs no ``torch.compiler.disable`` wrapper against being traced
+    (the wrapper runs every frame of the hook through dynamo's frame evaluation: microseconds per call)."""
+    return _EAGER.held()
 
 
 class CompiledCode:

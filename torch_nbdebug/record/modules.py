@@ -41,6 +41,50 @@ def module_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, nn.M
     return [(key, value) for _, _, key, value in found]
 
 
+def _walked_roots(namespace: Optional[Mapping[str, Any]]) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """:func:`module_roots` in its order, each root with its :func:`user_named_modules` walk: one walk per
+    root (the size the roots are sorted by is the walk's count of distinct modules, a compile wrapper's own
+    not counted, as ``module_roots`` counts the model it runs)."""
+    if namespace is None:
+        return []
+    found: list[tuple[int, bool, str, list[tuple[str, nn.Module]]]] = []
+    for key, value in list(namespace.items()):
+        if type(key) is not str or key.startswith("_") or not issubclass(type(value), nn.Module):
+            continue
+        compiled = compiled_original(value) is not None
+        try:
+            walk = (None if compiled else _plain_named_walk(value)) or list(user_named_modules(value))
+        except Exception:  # noqa: BLE001 - a module we cannot walk is left out, and said so
+            _skip(namespace, key)
+            continue
+        found.append((len({id(m) for _, m in walk}) - compiled, compiled, key, walk))
+    found.sort(key=lambda r: (-r[0], r[1], r[2]))
+    return [(key, walk) for _, _, key, walk in found]
+
+
+_WALK_CAP = 100_000  # modules listed by one plain walk (more: a cycle, left to named_modules' own walk)
+
+
+def _plain_named_walk(root: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
+    """``list(root.named_modules(remove_duplicate=False))``, the same pairs in the same order, in one loop over
+    the ``_modules`` dicts (the generator chain of ``named_modules`` costs several times as much, at every
+    watch's start); None when a class in the tree lists its modules its own way (its ``named_modules`` is
+    then the one to run)."""
+    own = nn.Module.named_modules
+    out: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        if type(module).named_modules is not own or len(out) > _WALK_CAP:
+            return None
+        out.append((prefix, module))
+        children = compat.child_module_dict(module)
+        if children:
+            dot = prefix + "." if prefix else ""
+            stack += [(dot + name, child) for name, child in reversed(children.items()) if child is not None]
+    return out
+
+
 def compiled_original(module: Any) -> Optional[nn.Module]:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, else None."""
     inner = compat.original_module(module)  # the one rule for unwrapping lives in compat
@@ -120,15 +164,18 @@ class ModuleNamer:
     def __init__(self, namespace: Optional[Mapping[str, Any]] = None) -> None:
         self._namespace = namespace
         self._names: dict[int, tuple[weakref.ref, str]] = {}
-        self._add_roots(module_roots(namespace))
+        self._add_walks(_walked_roots(namespace))
 
     def name(self, module: nn.Module, parent: Optional[str] = None) -> str:
-        found = self._lookup(module)
+        entry = self._names.get(id(module))  # (_lookup inlined: this runs at every module call)
+        if entry is not None and entry[0]() is module:
+            return entry[1]
+        found = self._lookup(module)  # (a dead module's entry goes)
         if found is not None:
             return found
         if parent is None:
             # The namespace may have gained the model since we were created (``model = Net()`` in the cell).
-            self._add_roots(module_roots(self._namespace))
+            self._add_walks(_walked_roots(self._namespace))
             found = self._lookup(module)
             if found is None:
                 self._add_roots([(type(module).__name__.lower(), module)])
@@ -145,8 +192,11 @@ class ModuleNamer:
         self._namespace = None
 
     def _add_roots(self, roots: Iterable[tuple[str, nn.Module]]) -> None:
-        for root_name, root in roots:
-            for sub_name, module in _safely(user_named_modules, root):
+        self._add_walks([(root_name, _safely(user_named_modules, root)) for root_name, root in roots])
+
+    def _add_walks(self, walks: Iterable[tuple[str, list[tuple[str, nn.Module]]]]) -> None:
+        for root_name, walk in walks:
+            for sub_name, module in walk:
                 if self._lookup(module) is None:  # the largest root claims shared modules
                     self._remember(module, f"{root_name}.{sub_name}" if sub_name else root_name)
 

@@ -20,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torch_nbdebug.record import compat
+from torch_nbdebug.record.compiled import eager_stance_held
 from torch_nbdebug.record.lifecycle import HookScope, Recorder, Removable, TensorHooks
 from torch_nbdebug.record.nanwatch.checks.amp import AmpChecks
 from torch_nbdebug.record.nanwatch.checks.deferred import DeferredChecks
@@ -143,11 +144,17 @@ class NanRecorder(Recorder):
         scope.callback(lambda: self._tensor_hooks.remove_all(lambda exc: self.internal_error("removing a hook", exc)))
         scope.callback(self._handles.clear)
         # Our module post hook goes first so the tracker still shows the exiting module. Dynamo must
-        # not trace it into a torch.compile'd model (it would graph-break on every .item()).
-        exit_hook = self.table.exit_kw if replay else self.table.exit
-        self._handles.append(scope.hook(compat.register_global_forward_hook(not_traced(exit_hook),
-                                                                            with_kwargs=replay, always_call=replay)))
+        # not trace it into a torch.compile'd model (it would graph-break on every .item()): unless compiled
+        # code runs eagerly for the whole watch (the eager stance, record.compiled), it is wrapped.
+        exit_hook = self.table.exit_kw if replay else self.table.exit_now
+        if not eager_stance_held():
+            exit_hook = not_traced(exit_hook)
+        self._handles.append(scope.hook(compat.register_global_forward_hook(exit_hook, with_kwargs=replay,
+                                                                            always_call=replay)))
         tracker = self._tracker = ThreadTracker(self.thread, self.namespace)
+        self.table.stack = tracker.stack  # (replay's exit and call starts read the path stack directly)
+        if self.keeper is not None:
+            self.keeper.stack = tracker.stack
         # (the order matters: the table first; replay's boundaries before its kept outputs)
         for watcher in (self.table, self.moves, self.boundaries, self.keeper) if replay else (self.table,
                                                                                              self.verdicts):
@@ -156,7 +163,8 @@ class NanRecorder(Recorder):
         scope.callback(tracker.remove)  # (idempotent; also what a failed enter left)
         tracker.__enter__()
         if self.options.optimizer:
-            self.optim = OptimizerWatch(self, self.lr, self.switch.suspend, self.switch.resume, self.deferred)
+            self.optim = self.table.optim = OptimizerWatch(self, self.lr, self.switch.suspend, self.switch.resume,
+                                                           self.deferred)
             self._handles += [scope.hook(register_optimizer_step_pre_hook(self.optim.pre)),
                               scope.hook(register_optimizer_step_post_hook(self.optim.post))]
         if self.options.mode == "op":

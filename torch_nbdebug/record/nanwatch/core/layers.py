@@ -149,6 +149,13 @@ class LayerRecorder:
         """Record readings already computed for the same tensor (a container's output)."""
         self._row(path).fwd.take(values)
 
+    def take_finite_forward(self, path: str, values: list[float]) -> None:
+        """:meth:`take_forward` of a reading known finite (the module layer's common exit): one frame."""
+        row = self._rows.get(path)
+        if row is None:
+            row = self._rows[path] = _Row(calls=1)
+        row.fwd.last = values
+
     def take_gradient(self, path: str, values: list[float]) -> None:
         self._row(path).grad.take(values)
 

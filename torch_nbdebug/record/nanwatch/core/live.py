@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from torch_nbdebug.record.compat import tensor_version
 from torch_nbdebug.record.nanwatch.core.ops import version_of
 
 
@@ -17,7 +18,7 @@ class LiveRef:
 
     def __init__(self, t: torch.Tensor) -> None:
         self._ref = weakref.ref(t)
-        self.version = version_of(t)
+        self.version = -1 if t.is_inference() else tensor_version(t)  # (version_of inlined: made at every module exit)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Optional["LiveRef"]:

@@ -6,8 +6,10 @@ gradient into it. The output then goes where the watch's strategy wants it: modu
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
-from typing import Any, Callable, Optional
+import threading
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -19,10 +21,21 @@ from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, Later, firs
 from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.record.nanwatch.modules.tracker import CallWatcher, WatchThread
 from torch_nbdebug.record.nanwatch.modules.verdicts import ModuleVerdicts
-from torch_nbdebug.record.nanwatch.replay.outputs import KeptOutputs
+from torch_nbdebug.record.nanwatch.replay import outputs as _outputs
+from torch_nbdebug.record.nanwatch.replay.kept import Kept
+from torch_nbdebug.record.nanwatch.replay.outputs import KeptOutputs, declares_inplace
 
 _MAX_BACKLOG = 4096  # deferred module statistics waiting before they are read early
 _NOTHING = contextlib.nullcontext()
+_get_ident = threading.get_ident
+_dispatch_stack_len = compat.dispatch_stack_len
+_isfinite = math.isfinite
+
+
+class _Stepping(Protocol):
+    """What the module layer reads of the optimizer watch: ``active`` > 0 while a step runs."""
+
+    active: int
 
 
 class ModuleTable(CallWatcher):
@@ -46,14 +59,18 @@ class ModuleTable(CallWatcher):
         self._awaiting: Optional[int] = None  # id of the model whose forward waits for its backward's start
         # replay: told of each non-finite gradient into a module output (replay.backward marks the model call)
         self.bad_gradient: Optional[Callable[[str, torch.Tensor], None]] = None
+        self.stack: list[str] = []  # the module tracker's path stack (the recorder hands it over)
+        # the optimizer watch (the recorder hands it over): its ``active`` is ``busy()``, read without two frames
+        self.optim: Optional[_Stepping] = None
 
     # -- module calls ---------------------------------------------------------------------------
     def call_entered(self, path: str, module: torch.nn.Module) -> None:
-        if self._depth() == 1:
+        if len(self.stack) == 1:
             self.ctx.clock.forward()
         self.layers.enter(path)
-        if self.keeper is not None:
-            self.keeper.before(module)
+        keeper = self.keeper
+        if keeper is not None and keeper.kept.entries and declares_inplace(module):
+            keeper.before(module)
 
     def exit_kw(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
         """The exit hook with the call's keyword arguments (replay needs them): ``(kwargs, output)``.
@@ -68,6 +85,8 @@ class ModuleTable(CallWatcher):
             return
         kwargs, output = rest
         if keeper is not None:
+            if type(output) is torch.Tensor and self._at_once(module, output, keeper):
+                return
             keeper.kwargs = kwargs
         try:
             self.exit(module, args, output)
@@ -75,11 +94,66 @@ class ModuleTable(CallWatcher):
             if keeper is not None:
                 keeper.kwargs = {}
 
+    def _at_once(self, module: torch.nn.Module, t: torch.Tensor, keeper: Optional[KeptOutputs]) -> bool:
+        """The common exit in one frame: a call of the watching thread returned a finite float32/64 CPU tensor,
+        not its last child's (a container's), and no dispatch mode is on. Its reading is taken now: replay
+        (``keeper``) keeps it for the table when the model returns, a nested call only (:meth:`KeptOutputs._keep`'s
+        finite CPU case); module mode (immediate) gives the table its row. The gradient into it is hooked. All as
+        the general path (:meth:`exit`) does it. False: not that case, or the output is non-finite; the general
+        path then runs (the reading is pure, nothing was kept)."""
+        thread, stack = self.thread, self.stack
+        if thread.replaying or _get_ident() != thread.thread_id or not stack or not t.is_cpu or t.dtype in ops.HALF \
+                or not t.is_floating_point() or t.layout != torch.strided or _dispatch_stack_len():
+            return False
+        optim = self.optim
+        if optim is not None and optim.active > 0:  # (busy())
+            return False
+        if keeper is not None and (len(stack) < 2 or not _outputs.READ_AT_EXIT):
+            return False
+        last = self._last_exit
+        if last is not None and last[0].alive() is t:  # a container returning its child's output
+            return False
+        try:
+            numel = t.numel()
+            if not numel:
+                return False
+            x = t.detach()
+            lo, hi = torch.aminmax(x)
+            values = [lo.item(), hi.item(), x.sum().item() / numel]
+            if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+                return False
+            path, ref = stack[-1], LiveRef(t)
+            grad = t.requires_grad
+            if keeper is not None:
+                keeper.kept.entries.append(Kept(t if grad else None, [path], self.ctx.clock.iteration, module,
+                                                values=values, live=ref))
+            else:
+                self.layers.take_finite_forward(path, values)
+            hook = None
+            if grad and self._backward and torch.is_grad_enabled():
+                hook = _GradHook(self, path)
+                self.ctx.keep_handle(t.register_hook(hook))
+            self._last_exit = (ref, None if keeper is not None else values, hook)
+            if keeper is not None and keeper.kept.full():
+                with self.ctx.quiet():
+                    self.ctx.flush()
+        except NanBirthError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see OpWatchMode
+            self.ctx.internal_error(f"the output of {type(module).__name__}", exc)
+        return True
+
     def _raised(self, module: torch.nn.Module, args: Any, kwargs: dict) -> None:
         if self.thread.replaying or self.keeper is None or not self.thread.mine() or self._depth() != 1 \
                 or self._busy():
             return
         self.keeper.raised(module, args, kwargs)
+
+    def exit_now(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The exit hook without replay: module mode, and op mode with ``replay=False``."""
+        if type(output) is torch.Tensor and not self._deferred and self._at_once(module, output, None):
+            return
+        self.exit(module, args, output)
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.thread.replaying or not self.thread.mine():

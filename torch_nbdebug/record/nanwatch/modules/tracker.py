@@ -47,6 +47,10 @@ class CallWatcher:
     def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
         """A call returned (or raised: the hook is ``always_call``); its path left the stack."""
 
+    def outermost_returned(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
+        """An outermost call returned (or raised), told in the order of subscription with
+        :meth:`call_returned` (a watcher that only needs the model's return is not called at every call)."""
+
 
 class ThreadTracker(ModuleTracker):
     """Only modules running in the watching thread enter the path stack (another thread's modules, under
@@ -60,6 +64,8 @@ class ThreadTracker(ModuleTracker):
         self._started: tuple[Callable[[Any], None], ...] = ()
         self._entered: tuple[Callable[[str, torch.nn.Module], None], ...] = ()
         self._returned: tuple[Callable[[torch.nn.Module, Any, Optional[str], bool], None], ...] = ()
+        # (told when the outermost call returns: each ``call_returned`` and ``outermost_returned``, in order)
+        self._outer_returned: tuple[Callable[[torch.nn.Module, Any, Optional[str]], None], ...] = ()
 
     def subscribe(self, watcher: CallWatcher) -> None:
         kind = type(watcher)
@@ -71,6 +77,9 @@ class ThreadTracker(ModuleTracker):
             self._entered += (watcher.call_entered,)
         if kind.call_returned is not CallWatcher.call_returned:
             self._returned += (watcher.call_returned,)
+            self._outer_returned += (functools.partial(_returned_outermost, watcher.call_returned),)
+        if kind.outermost_returned is not CallWatcher.outermost_returned:
+            self._outer_returned += (watcher.outermost_returned,)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         # Runs at every module call: ModuleTracker._pre and WatchThread.mine inlined.
@@ -92,13 +101,28 @@ class ThreadTracker(ModuleTracker):
                 entered(path, module)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == self.thread.thread_id:
-            path = self.stack[-1] if self.stack else None
+        # Runs at every module call: ModuleTracker._post inlined.
+        thread, stack = self.thread, self.stack
+        if threading.get_ident() != thread.thread_id:
+            return
+        if stack:
+            path: Optional[str] = stack.pop()
+        else:
+            path = None
             super()._post(module, args, output)
-            if not self.thread.replaying:
-                outermost = not self.stack
-                for returned in self._returned:
-                    returned(module, output, path, outermost)
+        if thread.replaying:
+            return
+        if stack:
+            for returned in self._returned:
+                returned(module, output, path, False)
+        else:
+            for outer in self._outer_returned:
+                outer(module, output, path)
+
+
+def _returned_outermost(returned: Callable[[torch.nn.Module, Any, Optional[str], bool], None], module: torch.nn.Module,
+                        output: Any, path: Optional[str]) -> None:
+    returned(module, output, path, True)
 
 
 _untraced_call: Optional[Callable[..., Any]] = None

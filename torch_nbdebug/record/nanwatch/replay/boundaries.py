@@ -55,9 +55,7 @@ class ModelBoundaries(CallWatcher):
         switch.suspend()
         self.model_off = True
 
-    def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
-        if not outermost:
-            return
+    def outermost_returned(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
         if self.model_off and self.backward is not None and torch.is_grad_enabled():
             # its backward is checked by the backward layer (the gradients into its outputs are kept until then)
             try:

@@ -32,7 +32,7 @@ from torch_nbdebug.record.nanwatch.core.live import LiveRef
 from torch_nbdebug.record.nanwatch.core.log import EventLog
 from torch_nbdebug.record.nanwatch.core.params import bad_parameters
 from torch_nbdebug.record.nanwatch.replay.restore import (autocast_as, grad_mode, restored_attributes, restored_buffers,
-                                                          restored_rng, rng_state)
+                                                          restored_rng)
 from torch_nbdebug.record.source import line_of
 
 
@@ -53,6 +53,12 @@ class Call:
     autocast: tuple = ()  # compat.autocast_state() when the call ran: the replay runs under the same
     params: Optional[tuple[int, ...]] = None  # the module's parameter versions (ModelCalls.add)
     parameters: tuple[torch.Tensor, ...] = ()  # the module's parameters, in order (ModelCalls.add)
+
+    def with_parameters(self, parameters: tuple[torch.Tensor, ...]) -> "Call":
+        """The call with the module's parameters and their versions now (:meth:`ModelCalls.add`): a new
+        object, the kept entry's own is unchanged (``dataclasses.replace`` costs ten times as much)."""
+        return type(self)(self.args, self.kwargs, self.versions, self.tensors, self.rng, self.cuda_rng,
+                          self.grad_enabled, self.seq, self.refs, self.autocast, versions_of(parameters), parameters)
 
     def params_changed(self, parameters: tuple[torch.Tensor, ...]) -> bool:
         """A weight was updated (a manual ``p -= lr * p.grad``) since the call: a replay computes other values.
@@ -110,11 +116,22 @@ def _strong(value: Any) -> Any:
 Start = tuple[tuple[torch.Tensor, Optional[list[torch.Tensor]]], tuple[int, ...], int]  # RNG, versions, seq
 
 
+_cpu_generator = torch.default_generator
+_cuda_initialized = torch.cuda.is_initialized
+_next_sequence_nr = compat.next_sequence_nr
+
+
 def call_start(args: Any) -> Start:
-    """Taken in the forward pre-hook: the RNG state and the positional tensors' versions."""
-    versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
-        if isinstance(args, tuple) else ()
-    return rng_state(), versions, compat.next_sequence_nr()
+    """Taken in the forward pre-hook (at every module call: :func:`~replay.restore.rng_state` inlined): the
+    RNG state and the positional tensors' versions."""
+    if type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common call
+        t = args[0]
+        versions: tuple[int, ...] = (-1 if t.is_inference() else compat.tensor_version(t),)  # (version_of)
+    else:
+        versions = tuple([ops.version_of(t) for t in args if isinstance(t, torch.Tensor)]) \
+            if isinstance(args, tuple) else ()
+    cuda = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
+    return (_cpu_generator.get_state(), cuda), versions, _next_sequence_nr()
 
 
 def capture(args: tuple, kwargs: dict, start: Optional[Start]) -> Call:
@@ -301,15 +318,46 @@ class ModelCalls:
         if call.seq is not None and call.grad_enabled and compat.current_autograd_node() is None:
             # (a forward run by backward, a checkpoint's recomputation, is part of that backward)
             parameters = parameters_of(module)  # one walk of the module tree per call
-            call = dataclasses.replace(call, params=versions_of(parameters), parameters=parameters)
+            call = call.with_parameters(parameters)
             self.calls = self.calls[-(self._limit - 1):] + [(module, call, end, place)]
 
     def clear(self) -> None:
         self.calls = []
 
 
-# module classes whose parameters() is nn.Module's own walk (weak: a class redefined in a cell goes)
-_PLAIN_WALK: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+class ByClass:
+    """A flag per class, computed once by ``compute(cls)``, looked up by the class's id: no weak reference is
+    made at each lookup (``WeakKeyDictionary.get`` makes one; these run at every module of a walk or call).
+    Weak all the same: a class that dies (redefined in a cell) leaves."""
+
+    __slots__ = ("_flags", "_compute")
+
+    def __init__(self, compute: Callable[[type], bool]) -> None:
+        self._flags: dict[int, tuple[weakref.ref, bool]] = {}
+        self._compute = compute
+
+    def get(self, cls: type) -> bool:
+        entry = self._flags.get(id(cls))
+        if entry is not None and entry[0]() is cls:
+            return entry[1]
+        key, flags, value = id(cls), self._flags, self._compute(cls)
+
+        def gone(ref: weakref.ref, key: int = key) -> None:
+            if flags.get(key, (None, False))[0] is ref:
+                del flags[key]
+
+        flags[key] = (weakref.ref(cls, gone), value)
+        return value
+
+
+def _lists_plainly(cls: type) -> bool:
+    module = torch.nn.Module
+    return all(getattr(cls, name, None) is getattr(module, name) for name in
+               ("parameters", "named_parameters", "named_modules", "_named_members", "modules"))
+
+
+# module classes whose parameters() is nn.Module's own walk
+_PLAIN_WALK = ByClass(_lists_plainly)
 
 
 def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -319,7 +367,7 @@ def parameters_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
 
 def versions_of(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
     """Each parameter's version counter: another tuple once a weight was written in place."""
-    return tuple([ops.version_of(p) for p in parameters])
+    return compat.tensor_versions(parameters)
 
 
 def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[torch.Tensor, ...]]:
@@ -332,26 +380,20 @@ def module_tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], tuple[t
     seen_modules: set = set()
     seen: set[int] = set()
     stack = [module]
+    plain_flags, dicts = _PLAIN_WALK, compat.parameter_and_child_dicts
     while stack:
         m = stack.pop()
         if m in seen_modules:
             continue
-        plain = _PLAIN_WALK.get(type(m))
-        if plain is None:
-            plain = _PLAIN_WALK[type(m)] = _lists_plainly(type(m))
-        if not plain:
+        if not plain_flags.get(type(m)):
             return list(module.modules()), tuple(module.parameters())
         seen_modules.add(m)
         modules.append(m)
-        for p in compat.own_parameters(m):
+        params, children = dicts(m)
+        for p in params.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
-        stack += [c for c in reversed(compat.child_modules(m)) if c is not None]
+        if children:
+            stack += [c for c in reversed(children.values()) if c is not None]
     return modules, tuple(found)
-
-
-def _lists_plainly(cls: type) -> bool:
-    module = torch.nn.Module
-    return all(getattr(cls, name, None) is getattr(module, name) for name in
-               ("parameters", "named_parameters", "named_modules", "_named_members", "modules"))

@@ -10,6 +10,7 @@ replay only, when it was made without autograd and shares no storage with the mo
 """
 from __future__ import annotations
 
+from math import isfinite as _isfinite
 from typing import Optional, Protocol
 
 import torch
@@ -19,7 +20,7 @@ from torch_nbdebug.record.nanwatch.replay.forward import Replayer
 from torch_nbdebug.record.tensors import storage_key
 
 from torch_nbdebug.record.nanwatch.context import ModuleReports, WatchContext
-from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, nonfinite_reading
+from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder
 from torch_nbdebug.record.nanwatch.replay.kept import Kept, KeptReadings
 
 
@@ -53,10 +54,13 @@ class KeptCheck:
         arg_keys = {storage_key(t) for t in outer.call.tensors} if outer is not None and outer.call is not None \
             else None
         strong: set[int] = set()  # ids of ``inside`` entries whose inputs autograd saw made inside the call
+        take_forward = checks.layers.take_forward
         for entry in checks.kept.take():
-            for path in entry.paths if entry.table else ():
-                checks.layers.take_forward(path, entry.values)
-            if nonfinite_reading(entry.values):
+            values = entry.values
+            if entry.table:
+                for path in entry.paths:
+                    take_forward(path, values)
+            if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):  # (nonfinite_reading)
                 if entry.value() is None or (entry.call is not None and entry.call.resolved() is None):
                     freed.append(entry)  # no_grad, freed: a replay of an enclosing call may still name the op
                 elif self.model_seq is not None and (how := self._made_inside(entry, self.model_seq, arg_keys)):
@@ -69,7 +73,7 @@ class KeptCheck:
                         waiting.append(entry)
                 else:
                     self.replayer.birth(entry, first)
-            elif self._overflowed_inside(entry):
+            elif entry.call is not None and self._overflowed_inside(entry):  # (a finite output kept with its call)
                 # names the op, if the replay sees one; a call whose arguments are gone (no_grad): the model's
                 if not self.replayer.birth(entry, first, fallback=False) and entry.call.resolved() is None:
                     overflowed_freed = True

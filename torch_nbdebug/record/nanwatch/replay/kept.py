@@ -121,7 +121,7 @@ class KeptReadings:
     def take(self) -> list[Kept]:
         """Every entry with its ``values`` filled, those not read yet read in one transfer per device; the
         list is emptied."""
-        entries, self.entries = [e for e in self.entries if not e.written_since()], []
+        entries, self.entries = [e for e in self.entries if e.live is None or not e.live.changed()], []  # (written_since)
         unread = [e for e in entries if e.parts]
         if not unread:
             return entries

@@ -5,7 +5,6 @@ births (:class:`~replay.forward.ModelCalls`)."""
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,7 +15,7 @@ from torch_nbdebug.record.nanwatch.core import ops
 from torch_nbdebug.record.nanwatch.core.events import here
 from torch_nbdebug.record.nanwatch.core.layers import LayerRecorder, nonfinite_reading, stat_values
 from torch_nbdebug.record.nanwatch.modules.tracker import CallWatcher
-from torch_nbdebug.record.nanwatch.replay.forward import ModelCalls, Replayer, Start, call_start, capture
+from torch_nbdebug.record.nanwatch.replay.forward import ByClass, ModelCalls, Replayer, Start, call_start, capture
 from torch_nbdebug.record.nanwatch.replay.inside import KeptCheck
 from torch_nbdebug.record.nanwatch.replay.kept import CallSite, Kept, KeptReadings
 
@@ -45,16 +44,17 @@ class KeptOutputs(CallWatcher):
         self._starts: list[Start] = []  # RNG state and argument versions of each running call, by depth
         self._outer_call: Optional[Kept] = None  # the outermost call, until its exit's check
         self.saw_half = False  # a float16/bfloat16 module output was kept (see HALF_UNWATCHED)
+        self.stack: list[str] = []  # the module tracker's path stack (the recorder hands it over)
 
     # -- the tracker's calls ------------------------------------------------------------------
     def call_started(self, args: Any) -> None:
         """The forward pre-hook's view of a call (before it enters the stack)."""
-        del self._starts[self._depth():]
-        self._starts.append(call_start(args))
+        starts = self._starts
+        del starts[len(self.stack):]
+        starts.append(call_start(args))
 
-    def call_returned(self, module: torch.nn.Module, output: Any, path: Optional[str], outermost: bool) -> None:
-        if outermost:
-            self.forward_over()
+    def outermost_returned(self, module: torch.nn.Module, output: Any, path: Optional[str]) -> None:
+        self.forward_over()
 
     def forward_over(self) -> None:
         """The outermost module call ended (this hook runs also when it raised): what is still kept was
@@ -161,19 +161,19 @@ class KeptOutputs(CallWatcher):
         self.kept.clear()
 
 
-# module class -> whether ``inplace`` may come from the class (weak: a class redefined in a cell goes)
-_INPLACE_CLASSES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+def _inplace_from_class(cls: type) -> bool:
+    return (any("inplace" in vars(k) for k in cls.__mro__)
+            or getattr(cls, "__getattr__", None) is not torch.nn.Module.__getattr__)
+
+
+# module class -> whether ``inplace`` may come from the class
+_INPLACE_CLASSES = ByClass(_inplace_from_class)
 
 
 def declares_inplace(module: torch.nn.Module) -> bool:
     """``getattr(module, "inplace", False) is True`` without ``Module.__getattr__``'s raise for the many
     modules that have no such attribute: an instance attribute (``nn.ReLU(inplace=True)``) is read from
     ``__dict__``; a class attribute, property or ``__getattr__`` of the class's own goes through getattr."""
-    cls = type(module)
-    from_class = _INPLACE_CLASSES.get(cls)
-    if from_class is None:
-        from_class = _INPLACE_CLASSES[cls] = (any("inplace" in vars(k) for k in cls.__mro__)
-                                              or cls.__getattr__ is not torch.nn.Module.__getattr__)
-    if from_class:
+    if _INPLACE_CLASSES.get(type(module)):
         return getattr(module, "inplace", False) is True
     return module.__dict__.get("inplace", False) is True
