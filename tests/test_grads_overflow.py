@@ -19,16 +19,18 @@ def _deep(dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)], nn.Linear(16, 2)).to(dtype)
 
 
-def _train(model: nn.Module, scale: float, steps: int, **options: object) -> tuple[object, list[list[float]]]:
+def _train(model: nn.Module, scale: float, steps: int, lr: float = 1e-30,
+           **options: object) -> tuple[object, list[list[float]]]:
     """Record ``steps`` SGD steps whose loss is scaled by ``scale``; also returns each step's exact norms
     (float64, of every parameter in order) taken by hand."""
-    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     dtype = next(model.parameters()).dtype
     expected = []
     with record_gradients(model, **options) as rec:
         for _ in range(steps):
             opt.zero_grad()
-            (model(torch.randn(8, 16, dtype=dtype)).float().sum() * scale).backward()
+            out = model(torch.randn(8, 16, dtype=dtype))  # a loss of float32 at least: of float64 beyond 3.4e38
+            (out.to(torch.promote_types(dtype, torch.float32)).sum() * scale).backward()
             expected.append([torch.linalg.vector_norm(p.grad.double()).item() for p in model.parameters()])
             opt.step()
     return rec, expected
@@ -263,3 +265,29 @@ def test_the_shared_helper_decodes_wide_and_narrow_bytes_as_sent() -> None:
     got_wide, got_narrow = json.loads(run.stdout)
     assert got_wide == ["4e+38", "1e-40", "NaN", "Infinity", "-1.5"]
     assert got_narrow[1:] == ["NaN", "Infinity", "-1.5"] and float(got_narrow[0]) == pytest.approx(1e-40, rel=1e-2)
+
+
+@pytest.mark.parametrize("exact_last", [True, False])
+@pytest.mark.parametrize("sample", [4096, 64])
+def test_float64_gradients_beyond_float32_are_recorded_at_every_step_as_they_are(
+        exact_last: bool, sample: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64 gradients of about 1e100: the per-step samples were float32, so their values read as Inf
+    ("has 0 NaN and 256 Inf values", "non-finite") and their norms as inf. Kept in float64 now: the
+    norms, the largest |g| and the parameters' norms are the float64 ones at every step, and a norm
+    beyond float32 is called exploding with its figure."""
+    monkeypatch.setattr(rec_mod, "_FLUSH", 2)
+    model = _deep(torch.float64)
+    rec, expected = _train(model, 1e100, 3, lr=1e-130, exact_last=exact_last, sample=sample)
+    assert min(min(e) for e in expected) > 1e90
+    params = list(model.parameters())
+    for step in range(3):
+        assert _norms(rec, step) == pytest.approx(expected[step], rel=1e-9)  # float64 norms at the step
+        flags = rec.flags_at(step)
+        assert flags and all(f.kind == "exploding" for f in flags), flags
+        assert all("e+" in f.reason and "NaN" not in f.reason for f in flags)
+        got = [p for li in range(len(rec.layers)) for p in rec.layer(li, step).params]
+        assert all(p.nan == 0 and p.inf == 0 and 1e90 < p.max_abs < 1e120 for p in got)
+    last = [p for li in range(len(rec.layers)) for p in rec.layer(li, 2).params]
+    assert [p.param_norm for p in last] == pytest.approx([float(p.detach().norm()) for p in params], rel=1e-6)
+    assert "non-finite" not in rec.text() and "non-finite" not in rec.html()
+    assert "e+100" in rec.text() and not [n for n in rec.trace.notes if "overflowed" in n]  # nothing estimated
