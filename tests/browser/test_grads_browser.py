@@ -154,3 +154,27 @@ def test_numbers_are_written_one_way_and_the_view_fits(lab, width: int) -> None:
     for box in (stats.bounding_box(), root.locator("svg.tnd-flow").bounding_box()):
         assert box is not None and box["width"] <= area + 1, (box, area)
     lab.screenshot(root, f"grads_numbers_{width}")
+
+
+WIDE = """
+import torch
+from torch import nn
+from torch_nbdebug import grads
+
+wide = nn.Linear(4, 4, bias=False).double()
+wide.weight.grad = torch.full((4, 4), 1e38, dtype=torch.float64)
+grads(wide).widget()
+"""
+
+
+def test_a_norm_beyond_float32_is_shown_as_it_is(lab) -> None:
+    """A float64 gradient's norm of 4e38 (past float32's 3.4e38) was sent as float32 bytes: the widget
+    showed inf where the text and HTML views said 4e+38."""
+    page = lab.run_notebook([WIDE], name="grads_wide")
+    root = lab.output(page, 0).locator(".tnd-grads")
+    stats = root.locator(".tnd-detail .tnd-stats").first
+    expect(stats).to_contain_text("4e+38")
+    values = stats.inner_text().split("\n")[1::2]  # label, value, label, value...
+    assert values[:2] == ["4e+38", "1e+38"] and not [v for v in values if "inf" in v.lower() or "∞" in v], values
+    expect(root).to_contain_text("exploding")
+    expect(root).not_to_contain_text("non-finite")

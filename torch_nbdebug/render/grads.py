@@ -3,7 +3,8 @@ the stepper widget (``static/grads.js``).
 
 The static view is what a notebook opened without a kernel shows, so it carries both overview
 images and the opened layer's histograms; the widget carries the numbers as float32 bytes and
-draws everything in the browser.
+draws everything in the browser (float64 bytes for an array holding a number beyond float32's range,
+a norm of float64 gradients past 3.4e38 say, which float32 would turn into inf: ``meta["wide"]`` names them).
 """
 from __future__ import annotations
 
@@ -346,11 +347,12 @@ class GradsView(View):
     _esm = esm_path("grads.js")
     _css = esm_path("base.css")  # the shared look, also in the live view
     meta = traitlets.Dict().tag(sync=True)
-    stats = traitlets.Bytes(b"").tag(sync=True)       # float32 [S, P, F]
-    flow = traitlets.Bytes(b"").tag(sync=True)        # float32 [S, L, 4]: norm, mean|g|, max|g|, update ratio
-    hist = traitlets.Bytes(b"").tag(sync=True)        # float32 [H, P, B]
-    hist_range = traitlets.Bytes(b"").tag(sync=True)  # float32 [H, P, 2]
-    acts = traitlets.Bytes(b"").tag(sync=True)        # float32 [S, L, A]
+    # float32 bytes, float64 for those meta["wide"] names (see numbers)
+    stats = traitlets.Bytes(b"").tag(sync=True)       # [S, P, F]
+    flow = traitlets.Bytes(b"").tag(sync=True)        # [S, L, 4]: norm, mean|g|, max|g|, update ratio
+    hist = traitlets.Bytes(b"").tag(sync=True)        # [H, P, B]
+    hist_range = traitlets.Bytes(b"").tag(sync=True)  # [H, P, 2]
+    acts = traitlets.Bytes(b"").tag(sync=True)        # [S, L, A]
     layer = traitlets.Int(0).tag(sync=True)
     step = traitlets.Int(0).tag(sync=True)
     log_scale = traitlets.Bool(False).tag(sync=True)
@@ -371,14 +373,24 @@ def widget(trace: GradTrace, flags: tuple[Flag, ...], layer: int = 0, step: int 
                     "requires_grad": p.requires_grad} for p in trace.params],
         "flags": [[f.kind, f.layer, f.step, f.reason] for f in flags],
     }
-    return GradsView(meta=meta, stats=_f32(trace.stats), flow=_f32(flow), hist=_f32(trace.hist),
-                     hist_range=_f32(trace.hist_range),
-                     acts=_f32(trace.activations) if trace.activations is not None else b"",
+    arrays_ = {"stats": trace.stats, "flow": flow, "hist": trace.hist, "hist_range": trace.hist_range}
+    if trace.activations is not None:
+        arrays_["acts"] = trace.activations
+    packed = {key: numbers(a) for key, a in arrays_.items()}
+    meta["wide"] = [key for key, (_, wide) in packed.items() if wide]
+    return GradsView(meta=meta, **{key: data for key, (data, _) in packed.items()},
                      layer=layer, step=step % n_s if n_s else 0)
 
 
-def _f32(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<f4").tobytes()
+def numbers(a: np.ndarray) -> tuple[bytes, bool]:
+    """``a`` as little-endian float32 bytes, or as float64 ones (and True) when float32 would turn one of
+    its finite numbers into inf: a norm of float64 gradients past float32's 3.4e38 is shown as it is,
+    as the text and HTML views show it. float32 otherwise: half the bytes in the saved notebook."""
+    with np.errstate(over="ignore"):
+        narrow = np.ascontiguousarray(a, dtype="<f4")
+    if np.isinf(narrow).any() and (np.isinf(narrow) & np.isfinite(a)).any():  # one test in the common case
+        return np.ascontiguousarray(a, dtype="<f8").tobytes(), True
+    return narrow.tobytes(), False
 
 
 __all__ = ["text", "html", "widget", "GradsView", "flow_png", "heatmap_png", "heatmap_figure", "hist_figure", "fmt",

@@ -38,7 +38,7 @@ from torch_nbdebug.record.grads.last import COPY_LIMIT, LastCopy, LazyTrace, Row
 from torch_nbdebug.record.grads.layers import FORWARD_ORDER, Layers, layers_of, param_info, remember_order
 from torch_nbdebug.record.grads.stats import (
     LastJob, Redo, activation_row, exact_rows, fix_overflow, raw_to_stats, redo_dirty, run_job, sampled_exact_job,
-    to_host, usable, whole_columns,
+    scaled_norm, to_host, usable, whole_columns, wide_sums,
 )
 from torch_nbdebug.record.grads.steps import (RAW, Chunks, Layout, Sampler, present_grads, reduce_rows, sampled_rows,
                                               update_squares)
@@ -511,7 +511,9 @@ class GradRecorder:
         raw = np.zeros((len(done) + len(pending), len(self._params), 2))  # norm, has_grad
         for i, r in enumerate(done):
             raw[i] = r["raw"][:, [0, -1]]
-        for i, (r, norms) in enumerate(zip(pending, to_host([r["norm"] for r in pending])), len(done)):
+        copies = to_host([r["norm"] for r in pending])
+        _wide_pending_norms(pending, copies)
+        for i, (r, norms) in enumerate(zip(pending, copies), len(done)):
             raw[i, list(r["present"])] = np.stack([norms, np.ones(len(norms))], 1)
         squares = np.where(raw[:, :, 1] == 1, raw[:, :, 0], 0.0) ** 2  # [S, P]; absent params count 0
         norms = np.full((len(raw), len(names)), np.nan)
@@ -519,6 +521,28 @@ class GradRecorder:
             present = raw[:, list(layer.params), 1].max(axis=1) == 1
             norms[present, li] = np.sqrt(squares[present][:, list(layer.params)].sum(axis=1))
         return kind, tuple(int(r["step"]) for r in done + pending), norms, names
+
+
+def _wide_pending_norms(pending: list[dict[str, Any]], norms: list[np.ndarray]) -> None:
+    """The gradient norms of rows not flushed yet (their host copies ``norms``) that came back Inf or NaN
+    from float32 sums of squares taken again in float64 from the rows' kept samples, where every element
+    is finite (the sample's, and the exact min and max of a sampled parameter): gradients of 1e20 square
+    past float32's range though their norm does not. Exact for a parameter taken whole, an estimate from
+    its sample for the others (as :func:`fix_overflow` gives them at the flush). Only when such a norm
+    came back: one more host copy then."""
+    found = [(i, int(j)) for i, n in enumerate(norms) for j in np.flatnonzero(~np.isfinite(n))]
+    if not found:  # the common case: one test per row
+        return
+    with no_grad_held():
+        rows = [pending[i] for i, _ in found]
+        ends = [r["big"][r["layout"].big.index(j), 1:] if j in r["layout"].big else r["norm"].new_zeros(2)
+                for r, (_, j) in zip(rows, found)]
+        sums = wide_sums([r["layout"].sample_of(r["x"], j) for r, (_, j) in zip(rows, found)])
+        (lo_hi,) = to_host([torch.stack(ends)])
+    for (i, j), r, (squares, _, _, top), (lo, hi) in zip(found, rows, sums, lo_hi):
+        if np.isfinite(squares) and np.isfinite(lo) and np.isfinite(hi):  # else an element is not finite
+            layout = r["layout"]
+            norms[i][j] = scaled_norm(squares, layout.lengths[j], layout.sizes[j], max(top, -lo, hi))
 
 
 __all__ = ["GradRecorder", "layers_of", "exact_rows", "remember_order"]

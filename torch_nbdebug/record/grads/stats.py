@@ -113,23 +113,36 @@ def fix_overflow(groups: list[list[dict[str, Any]]], arrays: list[dict[str, np.n
         return set()
     with no_grad_held():
         rows = {id(group): stacked(group) for group, _, _, _ in found}
-        samples = [group[0]["layout"].sample_of(rows[id(group)][s], j).double() for group, _, s, j in found]
-        (sums,) = to_host([torch.stack([torch.stack([x.square().sum(), x.sum(), x.abs().sum()]) for x in samples])])
+        sums = wide_sums([group[0]["layout"].sample_of(rows[id(group)][s], j) for group, _, s, j in found])
     estimated: set[int] = set()
-    for (group, raw, s, j), (squares, total, l1) in zip(found, sums):
+    for (group, raw, s, j), (squares, total, l1, _) in zip(found, sums):
         layout, row = group[0]["layout"], raw[s, j]
         k, numel = layout.lengths[j], layout.sizes[j]
         row[COL["mean_abs"]] = l1 / k  # over the sample: what this column always is
         wrong = [c for c in (COL["norm"], COL["sum"]) if not np.isfinite(row[c])]
         top = max(-row[COL["min"]], row[COL["max"]])
-        # scaled from the sample to the whole tensor (by 1 when taken whole: exact)
-        fixed = {COL["norm"]: float(np.clip(np.sqrt(squares * numel / k), top, top * math.sqrt(numel))),
-                 COL["sum"]: total * numel / k}
+        fixed = {COL["norm"]: scaled_norm(squares, k, numel, top), COL["sum"]: total * numel / k}
         for c in wrong:
             row[c] = fixed[c]
         if wrong and k < numel:
             estimated.add(int(group[s]["step"]))
     return estimated
+
+
+def wide_sums(samples: list[torch.Tensor]) -> np.ndarray:
+    """Sum of squares, sum, sum of |x| and largest |x| of each of ``samples`` (kept gradient samples, float32),
+    taken in float64 on the host copy: ``[len(samples), 4]``. One host copy; called only where a float32 sum
+    overflowed (see :func:`fix_overflow`)."""
+    wide = [x.double() for x in samples]
+    (sums,) = to_host([torch.stack([torch.stack([x.square().sum(), x.sum(), x.abs().sum(), x.abs().max()])
+                                    for x in wide])])
+    return sums
+
+
+def scaled_norm(squares: float, k: float, numel: float, top: float) -> float:
+    """The L2 norm of a tensor of ``numel`` elements from the float64 sum of ``squares`` of ``k`` of them
+    (exact when ``k == numel``: taken whole), kept within what its largest |x| ``top`` allows."""
+    return float(np.clip(np.sqrt(squares * numel / k), top, top * math.sqrt(numel)))
 
 
 def run_job(job: Generator[list[torch.Tensor], list[np.ndarray], _Result], first: Optional[list[np.ndarray]] = None,

@@ -41,7 +41,8 @@ def present_grads(params: list[torch.nn.Parameter], present: "tuple[int, ...] | 
 
 
 def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
-    """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf."""
+    """Batched float32 norms: a half-precision norm above 65504 would read as a false Inf. float64 ones
+    where some tensor is float64 (its norm may lie beyond float32's range), every one of them then."""
     if all(t.dtype == torch.float32 for t in tensors):
         return compat.foreach_norm(tensors, ord)
     wide = {i for i, t in enumerate(tensors) if t.dtype == torch.float64}  # cannot accumulate in float32
@@ -53,8 +54,8 @@ def float_norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tenso
         for i, norm in zip(narrow, compat.foreach_norm([tensors[i] for i in narrow], ord, dtype=torch.float32)):
             out[i] = norm
     for i, norm in zip(sorted(wide), compat.foreach_norm([tensors[i] for i in sorted(wide)], ord)):
-        out[i] = norm.float()
-    return out
+        out[i] = norm
+    return [t.double() for t in out]
 
 
 class Bucket:
@@ -114,6 +115,8 @@ class Layout:
         self.lengths = [int(sampler.count[i]) for i in present]
         self.sizes = [float(sampler.numel[i]) for i in present]  # elements of each tensor, on the host
         self.big = [j for j, i in enumerate(present) if not sampler.exact[i]]
+        # float64 samples where a gradient is float64: float32 would make its values past 3.4e38 Inf
+        self.dtype = torch.float64 if any(sampler.wide[i] for i in present) else torch.float32
         self.same_device = all(sampler.devices[i] == device for i in present)
         widths: dict[int, list[int]] = {}
         for j, length in enumerate(self.lengths):
@@ -188,6 +191,7 @@ class Sampler:
         self.count = np.zeros(len(params))
         self.numel = np.array([p.numel() for p in params], dtype=np.float64)
         self.devices = [p.device for p in params]
+        self.wide = [p.dtype == torch.float64 for p in params]
         drawn: dict[torch.device, list[tuple[int, np.ndarray]]] = {}
         for i, p in enumerate(params):
             n = p.numel()
@@ -215,7 +219,7 @@ class Sampler:
             layout.release()
 
     def gather(self, tensors: list[torch.Tensor], layout: Layout, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The samples of ``tensors`` (one per ``layout.present``) as one flat float32 tensor in the
+        """The samples of ``tensors`` (one per ``layout.present``) as one flat tensor (``layout.dtype``) in the
         layout's blocks, each row zero padded: one ``cat`` whatever the number of parameters, written
         into ``out`` when given (a row of a :class:`Chunk`). Called under ``no_grad`` (no ``detach``
         per tensor: each one costs a tensor object per step)."""
@@ -239,7 +243,7 @@ class Sampler:
         if out is not None:
             return torch.cat(parts, out=out)  # cast to float32 on the way, as .float() would
         x = torch.cat(parts)
-        return x if x.dtype == torch.float32 else x.float()
+        return x if x.dtype == layout.dtype else x.to(layout.dtype)
 
 
 class Chunk:
@@ -249,15 +253,16 @@ class Chunk:
     then reduces a slice of ``x`` rather than a stack of per-step copies, and a long recording writes
     into the same memory again (a flushed chunk is reused) rather than allocating a sample per step,
     whose fresh pages a CPU faults in one by one (a few microseconds each). float32 whatever the
-    default dtype: ``cat(out=)`` casts the samples to the buffer's dtype."""
+    default dtype, float64 for a layout with a float64 gradient (:attr:`Layout.dtype`): ``cat(out=)``
+    casts the samples to the buffer's dtype."""
 
     def __init__(self, layout: Layout, capacity: int) -> None:
         self.layout, self.capacity, self.used = layout, capacity, 0
-        self.x = torch.empty(capacity, layout.size, dtype=torch.float32, device=layout.device)
+        self.x = torch.empty(capacity, layout.size, dtype=layout.dtype, device=layout.device)
         self.w: Optional[torch.Tensor] = None  # [2, size]: allocated at the first optimizer step
         # What the recorder's memory bound counts: x and two weight rows per step, as when every step
         # kept its weights' samples (the recorder flushes at the same steps; w holds fewer since).
-        self.elements = 3 * capacity * layout.size
+        self.elements = 3 * capacity * layout.size * (layout.dtype.itemsize // 4)  # float32 elements
 
     def take(self) -> int:
         """The next free row (the caller checks ``used < capacity``)."""
@@ -266,7 +271,7 @@ class Chunk:
 
     def weights(self) -> torch.Tensor:
         if self.w is None:
-            self.w = torch.empty(2, self.layout.size, dtype=torch.float32, device=self.layout.device)
+            self.w = torch.empty(2, self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
         return self.w
 
 
@@ -366,10 +371,10 @@ def sampled_rows(params: list[torch.nn.Parameter], grads: list[torch.Tensor], la
     if layout.big:  # exact even though their other statistics come from the sample
         big = [grads[j] for j in layout.big]
         minmax = [torch.aminmax(g) for g in big]
-        columns = [[g.sum(dtype=torch.float32) for g in big], [m.min for m in minmax], [m.max for m in minmax]]
+        columns = [[g.sum(dtype=layout.dtype) for g in big], [m.min for m in minmax], [m.max for m in minmax]]
         if not layout.same_device:
             columns = [[t.to(layout.device) for t in column] for column in columns]
-        captured["big"] = torch.stack([torch.stack(column).float() for column in columns], 1)  # [B, 3]
+        captured["big"] = torch.stack([torch.stack(column).to(layout.dtype) for column in columns], 1)  # [B, 3]
     return captured
 
 
@@ -399,7 +404,7 @@ def reduce_rows(rows: list[dict[str, Any]], bins: Optional[int], finite: bool = 
     if layout.big:  # sum, min and max of sampled parameters were taken exactly at the step
         big = torch.stack([r["big"] for r in rows]).double()  # [S, B, 3]
         raw[:, layout.big_index, COL["sum"]:COL["max"] + 1] = big
-    out = {"raw": raw.float()}
+    out = {"raw": raw.to(layout.dtype)}  # float32 (half the copy) unless a gradient is float64
     if finite:  # |x| summed: non-finite exactly when some element is (or the sum overflows: redone too)
         out["dirty"] = (~torch.isfinite(abs_sum)).any(1).float()
     wanted = [i for i, r in enumerate(rows) if r.get("want_hist")]
@@ -415,13 +420,13 @@ def _block_sums(x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
     float32 counts are exact below 2**24 elements, float32 sums are pairwise. Three temporaries of
     the block's size, each pass writing into one of them: a fresh allocation per pass costs a CPU
     more than the pass (its pages are faulted in anew)."""
-    wide = torch.float64 if x.shape[-1] >= 1 << 24 else torch.float32
+    wide, keep = _sum_dtypes(x)
     finite = x.nan_to_num(0.0, 0.0, 0.0)  # NaN and ±Inf -> 0; the padding is 0 and counts nowhere
     odd = torch.sub(x, finite)  # 0 where finite, else the NaN or the infinity itself
     tmp = torch.empty_like(x)
 
     def total(t: torch.Tensor) -> torch.Tensor:
-        return t.sum(-1, dtype=wide).float()
+        return t.sum(-1, dtype=wide).to(keep)
 
     sums = [total(torch.abs(finite, out=tmp)), total(torch.sign(finite, out=tmp).abs_()),
             total(torch.nan_to_num(odd, 0.0, 1.0, 0.0, out=tmp)), total(torch.nan_to_num(odd, 0.0, 0.0, 1.0, out=tmp)),
@@ -438,16 +443,23 @@ def _finite_sums(x: torch.Tensor, fill: Optional[torch.Tensor]) -> torch.Tensor:
     (``fill`` None: every row fills its block, so its range is the rows' own ``amin`` and ``amax``,
     two reading passes where the fill took two writing ones more; measured 5x faster on a CPU, where a
     reduction along rows is also several times faster than ``aminmax`` along them)."""
-    wide = torch.float64 if x.shape[-1] >= 1 << 24 else torch.float32
+    wide, keep = _sum_dtypes(x)
     tmp = torch.empty_like(x)
-    sums = [torch.abs(x, out=tmp).sum(-1, dtype=wide).float(), tmp.sign_().sum(-1, dtype=wide).float()]
+    sums = [torch.abs(x, out=tmp).sum(-1, dtype=wide).to(keep), tmp.sign_().sum(-1, dtype=wide).to(keep)]
     zero = torch.zeros_like(sums[0])
     if fill is None:
         # -min, max; adding 0 makes a zero +0.0, as the fill's sums give it
         ends = [x.amin(-1).neg_().add_(0.0), x.amax(-1).add_(0.0)]
     else:
         ends = [torch.sub(fill, x, out=tmp).amax(-1), torch.add(x, fill, out=tmp).amax(-1)]
-    return torch.stack(sums + [zero, zero, zero, x.sum(-1, dtype=wide).float()] + ends, 2)
+    return torch.stack(sums + [zero, zero, zero, x.sum(-1, dtype=wide).to(keep)] + ends, 2)
+
+
+def _sum_dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """What a block's sums accumulate in (float64 for a float64 block, or rows of 2**24 elements and
+    more, whose float32 counts would stop being exact) and are kept in (the block's dtype)."""
+    wide = torch.float64 if x.dtype == torch.float64 or x.shape[-1] >= 1 << 24 else torch.float32
+    return wide, x.dtype
 
 
 def _no_ratios(steps: int, layout: Layout) -> torch.Tensor:
@@ -474,7 +486,7 @@ def _histograms(x: torch.Tensor, wanted: list[int], layout: Layout, lo: torch.Te
     count (:func:`_count`) per block; counts are scaled from the sample to the whole tensor."""
     h = len(wanted)
     pick = (lambda t: t) if h == len(x) else (lambda t: torch.stack([t[i] for i in wanted]))  # noqa: E731
-    x, lo, hi, valid = pick(x), pick(lo).float(), pick(hi).float(), pick(n_finite) > 0  # [H, size], [H, n]
+    x, lo, hi, valid = pick(x), pick(lo).to(x.dtype), pick(hi).to(x.dtype), pick(n_finite) > 0  # [H, size], [H, n]
     pad = torch.where(hi > lo, 0.0, torch.clamp(lo.abs() * 1e-3, min=1e-12))
     lo, hi = torch.where(valid, lo - pad, math.nan), torch.where(valid, hi + pad, math.nan)
     order = layout.order_index

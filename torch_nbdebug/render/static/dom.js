@@ -74,10 +74,12 @@ export function place(l) {
   return at + (l.function && l.function !== "<module>" ? ` in ${l.function}()` : "");
 }
 
-// A synced Bytes trait (DataView, ArrayBuffer or nothing) as a Float32Array of its own.
-export function floats(view) {
-  if (!view || !view.byteLength) return new Float32Array(0);
+// A synced Bytes trait (DataView, ArrayBuffer or nothing) as a Float32Array of its own, or as a
+// Float64Array when `wide` (a view sends float64 bytes where float32 would turn a number into inf).
+export function floats(view, wide = false) {
+  const Kind = wide ? Float64Array : Float32Array;
+  if (!view || !view.byteLength) return new Kind(0);
   const buf = view.buffer ? view.buffer : view;
   const off = view.byteOffset || 0;
-  return new Float32Array(buf.slice(off, off + view.byteLength));
+  return new Kind(buf.slice(off, off + view.byteLength));
 }

@@ -1,6 +1,7 @@
 // Gradient stepper: flow plot + layers×steps heatmap overview, per-layer detail with histograms.
-// Plain ES module (no bundler, no CDN). Numbers arrive as float32 bytes; `layer`, `step` and
-// `log_scale` are synced both ways so Python can drive the view and read where the user is.
+// Plain ES module (no bundler, no CDN). Numbers arrive as float32 bytes (float64 for the arrays
+// meta.wide names); `layer`, `step` and `log_scale` are synced both ways so Python can drive the
+// view and read where the user is.
 // Keyboard: the view is one Tab stop whose arrow keys move layer (←/→) and step (↓/↑); each flow
 // bar is a Tab stop too (Enter/Space selects it). Text and axis colours come from base.css (the
 // theme); the canvas heatmap keeps its own colour scale, drawn on the theme's background.
@@ -8,7 +9,7 @@
 import { h, s, num, count, floats, listen } from "./dom.js";
 
 // Statistics as every view writes them (an exponent from 1e5 up or below 1e-3, as data/stats.py);
-// "—" where there is no value (a layer without a gradient is NaN in the float32 bytes).
+// "—" where there is no value (a layer without a gradient is NaN in the bytes).
 const fmt = (v, approx) => (v === null || v === undefined || Number.isNaN(v) ? "—" : (approx ? "≈" : "") + num(v));
 
 // Counts (zeros, NaN, Inf) as whole numbers: "1,024", not "1024.0".
@@ -38,11 +39,13 @@ function render({ model, el }) {
   const F = Object.fromEntries(meta.fields.map((f, i) => [f, i]));
   const nS = meta.steps.length, nP = meta.params.length, nL = meta.layers.length, nF = meta.fields.length;
   const B = meta.bins, nA = meta.act_fields.length;
-  const stats = floats(model.get("stats"));
-  const flow = floats(model.get("flow"));
-  const hist = floats(model.get("hist"));
-  const range = floats(model.get("hist_range"));
-  const acts = floats(model.get("acts"));
+  const wide = new Set(meta.wide || []);  // sent as float64: a number beyond float32's range
+  const numbers = (key) => floats(model.get(key), wide.has(key));
+  const stats = numbers("stats");
+  const flow = numbers("flow");
+  const hist = numbers("hist");
+  const range = numbers("hist_range");
+  const acts = numbers("acts");
   const stat = (st, p, f) => stats[(st * nP + p) * nF + F[f]];
   const flowAt = (st, l, k) => flow[(st * nL + l) * 4 + k];
   const flagsAt = (st) => meta.flags.filter((f) => f[2] === st);
