@@ -209,7 +209,7 @@ def record_gradients(model: nn.Module, *, name: Optional[str] = None, namespace:
 
     With ``exact_last`` (the default) the last step's statistics cover every element. They are computed
     when the recording is first read (its view, ``.trace``, ``to_json``, ``to_tensorboard``), from a copy
-    of that step's gradients taken at the block's end, when that copy fits: at most 256 MB and, on CUDA,
+    of that step's gradients taken at the block's end, when that copy fits: at most 256 MiB and, on CUDA,
     a quarter of the device's free memory (on CUDA the copy is queued at the block's end, the computation
     deferred to that first read); otherwise at the block's end. A later failure there shows as a note.
     """

@@ -12,6 +12,7 @@ read. The numbers are the same either way; at most one such copy is kept in a pr
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,17 +32,16 @@ class Rows:
 
     def __init__(self, name: str, infos: tuple[ParamInfo, ...], layers: tuple[LayerInfo, ...],
                  steps: tuple[int, ...], stats: np.ndarray, exact: np.ndarray, kept: tuple[int, ...],
-                 hist: np.ndarray, rng: np.ndarray, new: np.ndarray, **rest: Any) -> None:
+                 hist: np.ndarray, rng: np.ndarray, new: np.ndarray, *, kind: str, order: str, sample: int,
+                 activations: Optional[np.ndarray], notes: list[str], estimated: set[int], hist_every: int,
+                 max_hists: int) -> None:
         self.name, self.infos, self.layers, self.steps = name, infos, layers, steps
         self.stats, self.exact, self.kept, self.hist, self.rng, self.new = stats, exact, kept, hist, rng, new
-        self.kind: str = rest["kind"]
-        self.order: str = rest["order"]
-        self.sample: int = rest["sample"]
-        self.activations: Optional[np.ndarray] = rest["activations"]
-        self.notes: list[str] = rest["notes"]         # the recording's own (a failure, skipped gradients)
-        self.estimated: set[int] = rest["estimated"]  # steps with an overflowed sum estimated from the sample
-        self.hist_every: int = rest["hist_every"]      # histograms kept for every hist_every-th step...
-        self.max_hists: int = rest["max_hists"]        # ... at most this many
+        self.kind, self.order, self.sample, self.activations = kind, order, sample, activations
+        self.notes = notes            # the recording's own (a failure, skipped gradients)
+        self.estimated = estimated    # steps with an overflowed sum estimated from the sample
+        self.hist_every = hist_every  # histograms kept for every hist_every-th step...
+        self.max_hists = max_hists    # ... at most this many
 
     def make_exact(self, done: tuple[Any, ...], big: list[int], whole: list[int], matrices: list[int]) -> None:
         """Write the exact last step (``done``, the job's result) over its sampled numbers: the sampled
@@ -116,6 +116,7 @@ class LazyTrace:
         self._rows: Optional[Rows] = rows
         self._last: Optional[LastCopy] = last
         self._done: Optional[GradTrace] = None
+        self._lock = threading.Lock()  # a training thread's settle() and the notebook's read may meet
         self.partial = rows.trace()
         global _LATEST
         _LATEST = weakref.ref(self)
@@ -126,20 +127,23 @@ class LazyTrace:
         return self._last is not None
 
     def resolve(self) -> GradTrace:
-        if self._done is not None:
+        with self._lock:
+            if self._done is None:
+                self._done = self._resolve()
             return self._done
+
+    def _resolve(self) -> GradTrace:
         rows, last = self._rows, self._last
         assert rows is not None and last is not None
         self._last = self._rows = None  # dropped once the job is done, whatever happens
         try:
             rows.make_exact(_run(last), last.big, last.whole, last.matrices)
-            self._done = rows.trace()
+            return rows.trace()
         except Exception as exc:  # noqa: BLE001 - the view shows the rest, and why this is missing
-            self._done = self._missing(f"{type(exc).__name__}: {exc}")
+            return self._missing(f"{type(exc).__name__}: {exc}")
         except BaseException:  # a Stop or Ctrl-C while it ran: said in the view, and raised
             self._done = self._missing("interrupted")
             raise
-        return self._done
 
     def _missing(self, why: str) -> GradTrace:
         return dataclasses.replace(self.partial, notes=self.partial.notes + (

@@ -64,11 +64,11 @@ class GradRecorder:
     """
 
     def __init__(self, model: nn.Module, name: str, *, sample: int = 4096, bins: int = 64,
-                 activations: bool = False, exact_last: bool = True, copy_limit: Optional[int] = None) -> None:
+                 activations: bool = False, exact_last: bool = True) -> None:
         self.model, self.name, self.bins = compat.original_module(model), name, bins
         self.sample, self.activations, self.exact_last = sample, activations, exact_last
         # bytes of the last step's gradients that finish_later may copy to make that step exact when first read
-        self.copy_limit = COPY_LIMIT if copy_limit is None else copy_limit
+        self.copy_limit = COPY_LIMIT
         self._scope = HookScope()
         self._grad_handles: list[Removable] = []  # find a backward's end: only until an optimizer steps
         self._order_handles: list[Removable] = []  # learn the forward order: only until every layer ran
@@ -524,13 +524,13 @@ class GradRecorder:
 
 
 def _wide_pending_norms(pending: list[dict[str, Any]], norms: list[np.ndarray]) -> None:
-    """The gradient norms of rows not flushed yet (their host copies ``norms``) that came back Inf or NaN
-    from float32 sums of squares taken again in float64 from the rows' kept samples, where every element
-    is finite (the sample's, and the exact min and max of a sampled parameter): gradients of 1e20 square
+    """The gradient norms of rows not flushed yet (their host copies ``norms``) that came back Inf (an
+    overflowed sum of squares is never NaN) from float32 sums of squares taken again in float64 from the
+    rows' kept samples, where every element is finite (the sample's, and the exact min and max of a sampled parameter): gradients of 1e20 square
     past float32's range though their norm does not. Exact for a parameter taken whole, an estimate from
     its sample for the others (as :func:`fix_overflow` gives them at the flush). Only when such a norm
     came back: one more host copy then."""
-    found = [(i, int(j)) for i, n in enumerate(norms) for j in np.flatnonzero(~np.isfinite(n))]
+    found = [(i, int(j)) for i, n in enumerate(norms) for j in np.flatnonzero(np.isinf(n))]
     if not found:  # the common case: one test per row
         return
     with no_grad_held():
