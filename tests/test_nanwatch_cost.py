@@ -207,6 +207,24 @@ def test_the_finite_steps_check_concatenates_the_1d_parameters_and_norms_the_oth
     assert finite_total([params[0], params[1].detach().double()]) is None
 
 
+def test_a_large_1d_tensor_is_normed_in_place_not_copied_into_the_finite_steps_sum() -> None:
+    """A flat shard (FSDP, ZeRO: a whole model's parameters in one 1-D tensor) is not copied by ``cat`` at
+    every step: it joins the others' ``_foreach_norm``, and an Inf at its end still makes the total
+    non-finite."""
+    from torch_nbdebug.record.nanwatch.checks import optim
+
+    shard, bias = torch.zeros(optim._SMALL + 1), torch.ones(8)
+    with OpCount(views=True) as counted:
+        total = optim.finite_total([shard, bias])
+    assert counted.ops == {"cat": 1, "sum": 2, "_foreach_norm": 1, "stack": 1, "add": 1}
+    assert total is not None and float(total) == 8.0
+    with OpCount(views=True) as alone:
+        optim.finite_total([shard])
+    assert "cat" not in alone.ops
+    shard[-1] = float("inf")
+    assert not math.isfinite(float(optim.finite_total([shard, bias])))  # type: ignore[arg-type]
+
+
 def test_a_watched_backward_lists_the_weights_without_module_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default watch checks before each backward that the model's weights are those of its forward:
     listed by one loop over the module tree, not ``Module.parameters()`` (a generator chain that cost

@@ -252,11 +252,6 @@ def own_parameters(module: torch.nn.Module) -> list[Any]:
     return list(module._parameters.values())
 
 
-def child_modules(module: torch.nn.Module) -> list[Any]:
-    """The module's direct children, ``None`` entries included, in order (``_modules``)."""
-    return list(module._modules.values())
-
-
 def child_module_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The module's own child dict (``_modules``: live, not a copy; ``None`` entries included), by name."""
     return module._modules

@@ -63,17 +63,21 @@ def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+_SMALL = 1 << 16  # elements of a 1-D tensor that finite_total copies into its one sum
+
+
 def finite_total(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """A 0-d tensor, not read, that is finite only when every tensor of ``tensors`` is (NaN/Inf propagate
     through sums and norms; a total that overflowed on finite values is judged again by the caller, tensor by
     tensor): the 1-D tensors (biases, a norm layer's weights: most of a model's parameters, each a few
-    hundred values) concatenated and summed in one kernel, the others' L2 norms in one foreach kernel (it
+    hundred values; at most :data:`_SMALL` elements each, so a flat shard is never copied) concatenated and
+    summed in one kernel, the others' L2 norms in one foreach kernel (it
     costs ~2 us a tensor on CPU, as much as reading a small tensor's values). None when the tensors are not
     of one device and dtype (the caller reads a norm per group, :func:`norm_groups`)."""
     if not tensors or len(_by_device_and_dtype(tensors)) != 1:
         return None
-    flat = [t for t in tensors if t.dim() == 1]
-    rest = [t for t in tensors if t.dim() != 1] if flat else tensors
+    flat = [t for t in tensors if t.dim() == 1 and t.numel() <= _SMALL]
+    rest = [t for t in tensors if t.dim() != 1 or t.numel() > _SMALL] if flat else tensors
     with torch.no_grad():  # (no graph: the parameters need no detach)
         parts = [propagating_sum(torch.cat(flat))] if flat else []  # (half types summed in float32)
         if rest:

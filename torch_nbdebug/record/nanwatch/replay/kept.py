@@ -75,11 +75,6 @@ class Kept:
         inputs = tuple(r() for r in self.input_refs)
         return None if any(x is None for x in inputs) else inputs
 
-    def written_since(self) -> bool:
-        """Written in place after the module returned (``h = self.fc(x); h.log_()`` in the parent): its
-        numbers now are the parent's doing, not this module's."""
-        return self.live is not None and self.live.changed()
-
 
 class KeptReadings:
     """The entries of the running forward, in the order the modules exited (innermost first)."""
@@ -121,7 +116,9 @@ class KeptReadings:
     def take(self) -> list[Kept]:
         """Every entry with its ``values`` filled, those not read yet read in one transfer per device; the
         list is emptied."""
-        entries, self.entries = [e for e in self.entries if e.live is None or not e.live.changed()], []  # (written_since)
+        # (an entry written in place after its module returned, ``h = self.fc(x); h.log_()`` in the parent,
+        # is left out: its numbers now are the parent's doing, not this module's)
+        entries, self.entries = [e for e in self.entries if e.live is None or not e.live.changed()], []
         unread = [e for e in entries if e.parts]
         if not unread:
             return entries
